@@ -1,0 +1,108 @@
+"""The seams of sluice as ``typing.Protocol`` s, each small (at most 8 methods).
+
+Components depend on these, never on each other's classes, and never on the controller.
+Implementations live in their rooms: ``engines/`` (inference and training engines),
+``weights/`` (weight sync), ``trainer/algos`` (algorithms), ``rewards/`` (reward functions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from sluice.api.types import Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
+
+if TYPE_CHECKING:
+    import torch
+
+WeightUpdateMode = Literal["interrupt", "defer", "staggered"]
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Generates completions; holds one version of the policy weights at a time."""
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        """Generate one sequence; resolves when it stops, hits its length or is aborted."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its ``generate`` resolves with ``finish_reason='abort'``."""
+        ...
+
+    def pause(self) -> None:
+        """Stop scheduling decode steps (requests stay queued)."""
+        ...
+
+    def resume(self) -> None:
+        """Undo ``pause``."""
+        ...
+
+    def update_weights(
+        self, weights: Mapping[str, torch.Tensor], version: int, mode: WeightUpdateMode = "interrupt"
+    ) -> None:
+        """Load new weights; tokens generated afterwards carry ``version``."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters for telemetry (running, waiting, generated tokens, ...)."""
+        ...
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """Owns the trainable policy and its optimizer."""
+
+    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
+        """Per-response-token log-probs of each sample under the current weights."""
+        ...
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], algorithm: Algorithm) -> dict[str, float]:
+        """Accumulate gradients over the micro-batches, then take one optimizer step."""
+        ...
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the named parameters, for weight sync."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Write the model (HF folder) and optimizer state."""
+        ...
+
+    def load(self, path: str) -> None:
+        """Restore what ``save`` wrote."""
+        ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """An advantage estimator plus a policy loss, composed over three policies (DESIGN.md)."""
+
+    def advantages(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Per-response-token advantages, aligned with ``samples``."""
+        ...
+
+    def loss(self, inputs: LossInputs) -> LossOutputs:
+        """The policy loss of one micro-batch, normalised by ``inputs.normaliser``."""
+        ...
+
+
+@runtime_checkable
+class WeightSync(Protocol):
+    """Moves versioned weights from the trainer to the engines."""
+
+    def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def fetch(self, version: int) -> Mapping[str, torch.Tensor]: ...
+
+    def latest_version(self) -> int: ...
+
+
+class RewardFn(Protocol):
+    """A reward: the decoded response plus the dataset row's fields → a float (sync or async).
+
+    It receives text rather than a ``Sample`` because it runs before the sample exists
+    (rewards decide dynamic filtering). ``fields`` are the row's columns, e.g. ``answer``.
+    """
+
+    def __call__(self, response: str, **fields: Any) -> float | Awaitable[float]: ...

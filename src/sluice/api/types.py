@@ -1,0 +1,131 @@
+"""Wire types: the frozen dataclasses that cross every seam of sluice.
+
+They carry plain Python lists (token ids, log-probs, versions) so they pickle cheaply through
+Ray and never pin a torch tensor to an engine. Batching into tensors happens inside the trainer,
+not here. No behaviour beyond trivial derived properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled. ``temperature == 0`` means greedy (argmax)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate. ``seed`` makes its sampling independent of batching."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one request.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the sampling distribution
+    (logits divided by the temperature, before top-p truncation; raw logits when greedy), and
+    ``versions[i]`` the policy version of the weights that produced it.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One dataset row after validation: a tokenised prompt plus the fields its reward needs."""
+
+    index: int
+    prompt: str
+    prompt_ids: tuple[int, ...]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scored response: the unit the trainer consumes.
+
+    A sample's policy version is its oldest token's (``version``), per DESIGN.md.
+    """
+
+    uid: str
+    group_id: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    behav_logprobs: tuple[float, ...]
+    token_versions: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    reward: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        return min(self.token_versions) if self.token_versions else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Per-token tensors of one micro-batch, all ``[tokens]`` (flattened, response tokens only).
+
+    ``normaliser`` is the step-wide denominator (e.g. the number of loss tokens in the whole
+    global batch), so micro-batch losses add up to the full-batch loss.
+    """
+
+    logp: torch.Tensor
+    prox_logp: torch.Tensor
+    behav_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    normaliser: float
+
+
+@dataclass(frozen=True)
+class LossOutputs:
+    """A scalar loss to backpropagate plus detached statistics (sums, not means)."""
+
+    loss: torch.Tensor
+    stats: dict[str, float]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """A slice of one training step: samples plus their per-token training signals.
+
+    ``advantages[i]`` and ``prox_logprobs[i]`` align with ``samples[i].response_ids``.
+    ``normaliser`` is the step-wide denominator shared by every micro-batch of the step.
+    """
+
+    samples: tuple[Sample, ...]
+    advantages: tuple[tuple[float, ...], ...]
+    prox_logprobs: tuple[tuple[float, ...], ...]
+    normaliser: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)

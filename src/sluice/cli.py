@@ -1,0 +1,144 @@
+"""The ``sluice`` command line: ``train``, ``eval``, ``config-docs``.
+
+It parses arguments, renders progress and results, and turns the known user errors (config,
+dataset, model path) into one line on stderr with exit code 2. All work is delegated to
+``sluice.RLTrainer`` and the evaluator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from sluice.config import ConfigError, dump_config, load_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="run training")
+    train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    train.set_defaults(func=_train)
+    ev = sub.add_parser("eval", help="greedy held-out accuracy of a model folder")
+    ev.add_argument("model_dir")
+    ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. task.eval_prompts=200")
+    ev.set_defaults(func=_eval)
+    docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
+    docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
+    return parser
+
+
+def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    path = None
+    overrides = []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif path is None:
+            path = item
+        else:
+            raise ConfigError(f"unexpected argument {item!r}: give one config file and key=value overrides")
+    return path, overrides
+
+
+def _train(args: argparse.Namespace) -> int:
+    path, overrides = _split_args(args.args)
+    cfg = load_config(path, overrides)
+    console = Console()
+    if args.dry_run:
+        console.print(dump_config(cfg), end="", markup=False, highlight=False)
+        return 0
+    from sluice.rl_trainer import RLTrainer
+    from sluice.telemetry import TrainProgress
+
+    trainer = RLTrainer(cfg)
+    with _sft_bar(console, trainer.task.sft.steps) as on_sft_step:
+        trainer.init_engines(on_sft_step=on_sft_step)
+    trainer.load_prompt_data()
+    console.print(f"model {trainer.model_dir}  run dir {trainer.run_dir}")
+    with TrainProgress(cfg.run.steps, enabled=cfg.run.progress, console=console) as bar:
+        result = trainer.fit(progress=bar)
+    console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
+    print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from sluice.rl_trainer import RLTrainer
+
+    cfg = load_config(None, [*args.overrides, f"model.path={args.model_dir}"])
+    trainer = RLTrainer(cfg)
+    trainer.init_engines(train=False)
+    trainer.load_prompt_data()
+    result = trainer.evaluate()
+    buckets = "  ".join(f"{k} {100 * v:.1f}" for k, v in result.by_bucket.items())
+    print(
+        f"accuracy {100 * result.accuracy:.1f}  ({result.count} held-out prompts, greedy)  {buckets}".rstrip()
+    )
+    return 0
+
+
+@contextmanager
+def _sft_bar(console: Console, total: int) -> Iterator[Callable[[int, float], None]]:
+    """Progress bar for building the embedded default's base model (shown only if it runs)."""
+    progress = Progress(
+        TextColumn("[bold]SFT warm start"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        console=console,
+    )
+    task: list[TaskID] = []
+
+    def on_step(step: int, loss: float) -> None:
+        if not task:
+            progress.start()
+            task.append(progress.add_task("sft", total=total, loss=loss))
+        progress.update(task[0], completed=step, loss=loss)
+
+    try:
+        yield on_step
+    finally:
+        if task:
+            progress.stop()
+
+
+def _config_reference() -> str:
+    from sluice.config.reference import config_reference
+
+    return config_reference()
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from sluice.engines.hf_model import ModelPathError
+    from sluice.tasks.dataset import DatasetError
+
+    return (ConfigError, DatasetError, ModelPathError)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Resolve a run's configuration: YAML file + dotted ``key=value`` overrides → ``SluiceConfig``.
+
+Every failure becomes one ``ConfigError`` whose message names the offending field, so the CLI
+can print it without a traceback. This module does not know what the fields mean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from sluice.config.models import SluiceConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the field."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SluiceConfig:
+    """Read ``path`` (YAML, optional), apply ``a.b=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_yaml(Path(path))
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        _set_dotted(data, key, value)
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> SluiceConfig:
+    try:
+        return SluiceConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def dump_config(cfg: SluiceConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. rollout.group_size=8")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{field}: unknown key{_allowed_keys(e['loc'])}")
+        else:
+            lines.append(f"{field}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> str:
+    model: Any = SluiceConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type):
+            return ""
+        model = field.annotation
+    return f" (allowed: {', '.join(model.model_fields)})"

@@ -1,0 +1,136 @@
+"""The configuration of a sluice run: pydantic v2 models, the one source of config truth.
+
+Every field carries a docstring (``use_attribute_docstrings``), which ``sluice train --help-config``
+and ``docs/config.md`` render. Unknown keys are errors (``extra="forbid"``). Loading YAML files
+and dotted overrides lives in ``config/loading.py``; this module only declares and validates.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """Local Hugging Face model folder (config.json, weights, tokenizer.json). ``null`` uses the
+    embedded default: the task's tiny Llama, SFT-warm-started once and cached under ``cache_dir``."""
+
+    cache_dir: str = ".cache/sluice"
+    """Where the embedded default base model is built and cached (relative to the working dir)."""
+
+
+class TaskConfig(_Section):
+    name: str = "reverse_digits"
+    """Built-in task (see ``sluice.tasks.TASKS``): its dataset generator, reward and evaluator."""
+
+    train_prompts: int = Field(default=20000, ge=1)
+    """How many RL training prompts the task generates (disjoint from the held-out set)."""
+
+    eval_prompts: int = Field(default=500, ge=1)
+    """Size of the fixed held-out set used by ``accuracy BASE -> FINAL`` and ``sluice eval``."""
+
+    data_path: str | None = None
+    """Optional JSONL file of training rows (``{"prompt": ..., <reward fields>}``) replacing the
+    generated prompts."""
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(default=16, ge=1)
+    """Samples per prompt (the GRPO group, ``n``)."""
+
+    prompts_per_step: int = Field(default=32, ge=1)
+    """Prompt groups per training step (the global batch ``B``)."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    """Hard cap on response length in tokens (``null``: the task's own cap)."""
+
+    temperature: float = Field(default=1.0, gt=0.0)
+    """Sampling temperature of training rollouts (evaluation is always greedy)."""
+
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold of training rollouts."""
+
+    max_batch: int = Field(default=512, ge=1)
+    """Engine slots: sequences decoded together; a finished one frees its slot for a waiting one."""
+
+
+class TrainerConfig(_Section):
+    algorithm: Literal["grpo", "dr_grpo"] = "grpo"
+    """Advantage estimator: GRPO (group mean and std) or Dr.GRPO (group mean only)."""
+
+    lr: float = Field(default=3e-4, gt=0.0)
+    """Adam learning rate."""
+
+    betas: tuple[float, float] = (0.9, 0.99)
+    """Adam betas."""
+
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    """Global gradient-norm clip."""
+
+    clip_low: float = Field(default=0.2, ge=0.0)
+    """PPO ratio clip below 1 (``1 - clip_low``)."""
+
+    clip_high: float = Field(default=0.2, ge=0.0)
+    """PPO ratio clip above 1 (``1 + clip_high``; raise it for DAPO clip-higher)."""
+
+    micro_batch_tokens: int = Field(default=8192, ge=1)
+    """Token budget (prompt + response) of one micro-batch; gradients accumulate across them
+    with step-wide normalisation, so this changes memory and speed, never the result."""
+
+
+class RunConfig(_Section):
+    name: str = "default"
+    """Run name: outputs go to ``<output_dir>/<name>/``."""
+
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+
+    mode: Literal["sync"] = "sync"
+    """Pipeline mode. ``sync``: generate the whole batch, score, train, sync weights."""
+
+    steps: int = Field(default=200, ge=0)
+    """Training steps (policy versions) to run."""
+
+    max_minutes: float | None = Field(default=None, gt=0.0)
+    """Stop after this many minutes of training even if ``steps`` is not reached."""
+
+    seed: int = 0
+    """Seeds prompt order, sampling and model init; the same seed reproduces a run exactly."""
+
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate on the held-out set every this many steps (0: only before and after)."""
+
+    threads: int = Field(default=0, ge=0)
+    """torch threads for this process (0: all cores). Threads summed over processes must not
+    exceed the cores."""
+
+    progress: bool = True
+    """Show a progress bar (disable for logs / CI)."""
+
+
+class SluiceConfig(_Section):
+    """A whole run."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy to train."""
+
+    task: TaskConfig = TaskConfig()
+    """The task: prompts, reward, held-out set."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    """Generation."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """Optimisation."""
+
+    run: RunConfig = RunConfig()
+    """Run control and outputs."""

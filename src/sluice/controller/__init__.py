@@ -1,0 +1,1 @@
+"""The controller: the main loops of sluice (synchronous now; asynchronous with the staleness gate next)."""

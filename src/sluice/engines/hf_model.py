@@ -1,0 +1,51 @@
+"""Load a local Hugging Face model folder (config, weights, tokenizer) with clear errors.
+
+The only place that resolves ``model.path``: it checks the folder before transformers sees it,
+so a wrong path ends with one message naming the field instead of a hub-download traceback.
+It never downloads (``local_files_only``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+class ModelPathError(ValueError):
+    """``model.path`` does not point at a usable local model folder."""
+
+
+def check_model_dir(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelPathError(f"model.path: {p} does not exist (expected a local Hugging Face model folder)")
+    if not p.is_dir():
+        raise ModelPathError(f"model.path: {p} is a file, expected a folder with config.json")
+    if not (p / "config.json").is_file():
+        raise ModelPathError(f"model.path: {p} has no config.json (not a Hugging Face model folder)")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise ModelPathError(f"model.path: {p} has no weights (*.safetensors or *.bin)")
+    return p
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    p = check_model_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelPathError(f"model.path: cannot load a tokenizer from {p}: {err}") from None
+    if tokenizer.eos_token_id is None:
+        raise ModelPathError(f"model.path: the tokenizer in {p} has no eos_token; responses could not stop")
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    p = check_model_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelPathError(f"model.path: cannot load a causal LM from {p}: {err}") from None
+    return model

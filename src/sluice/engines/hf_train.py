@@ -1,0 +1,181 @@
+"""``TrainEngine`` for a Hugging Face causal LM trained in plain PyTorch (fp32, one device).
+
+Role: the reference training engine. ``logprobs`` recomputes per-response-token
+log-probs (proximal or reference policy) without grad; ``train_step`` accumulates the
+gradients of a step's micro-batches, each loss already divided by the step-wide
+normaliser, so the accumulated gradient equals the full-batch gradient; then one
+gradient-norm clip and one AdamW step. Weights are exported as detached copies for weight
+sync, and ``save`` / ``load`` round-trip model and optimizer state.
+
+Deliberately not here: FSDP / tensor parallelism, mixed precision, LR schedules, gradient
+checkpointing, padding-free packing, and deciding micro-batch boundaries (the caller passes
+``MicroBatch`` es from ``trainer/microbatch.py``). Log-probs use ``log_softmax(logits / T)``
+to match the engines' ``Completion.logprobs`` convention (``T <= 0`` means raw logits).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from sluice.api.protocols import Algorithm
+from sluice.api.types import LossInputs, MicroBatch, Sample
+from sluice.trainer.microbatch import balance_by_tokens, pad_batch
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class HFTrainEngine:
+    """Trains ``model`` with AdamW; implements ``sluice.api.protocols.TrainEngine``.
+
+    Args:
+        model: an HF causal LM (fp32 expected), already on its device.
+        lr, betas, weight_decay: AdamW hyper-parameters.
+        grad_clip: max global gradient norm; ``None`` or ``<= 0`` disables clipping (the
+            norm is still reported).
+        temperature: sampling temperature the training log-probs are computed under.
+        forward_token_budget: tokens per forward pass in ``logprobs``.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        grad_clip: float | None = 1.0,
+        temperature: float = 1.0,
+        forward_token_budget: int = 16384,
+    ) -> None:
+        self.model = model
+        self.grad_clip = grad_clip
+        self.temperature = temperature
+        self.forward_token_budget = forward_token_budget
+        self.device = next(model.parameters()).device
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs) -> HFTrainEngine:
+        """Load an fp32 model from an HF folder (no optimizer state; use ``load`` to resume)."""
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return cls(model, **kwargs)
+
+    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
+        """Per-response-token log-probs of each sample under the current weights (no grad)."""
+        result: list[list[float]] = [[] for _ in samples]
+        self.model.eval()
+        bins = balance_by_tokens([s.num_tokens for s in samples], self.forward_token_budget)
+        with torch.no_grad():
+            for indices in bins:
+                batch = self._to_device(pad_batch([samples[i] for i in indices]))
+                flat = self._response_logprobs(batch, temperature).cpu()
+                lengths = batch["response_lengths"].tolist()
+                for i, part in zip(indices, torch.split(flat, lengths), strict=True):
+                    result[i] = part.tolist()
+        return result
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], algorithm: Algorithm) -> dict[str, float]:
+        """Accumulate gradients over ``micro_batches``, clip, take one AdamW step.
+
+        Returns summed metrics: ``loss`` (Σ micro-batch losses = full-batch loss), the
+        algorithm's loss stats (sums), ``grad_norm`` (before clipping), ``micro_batches``,
+        ``samples`` and ``skipped_steps`` (1 when a non-finite gradient norm skipped the step).
+        The (clipped) gradients stay in ``.grad`` until the next step.
+        """
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        if len({mb.normaliser for mb in micro_batches}) != 1:
+            raise ValueError("all micro-batches of a step must share one normaliser")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = defaultdict(float)
+        for mb in micro_batches:
+            out = algorithm.loss(self._loss_inputs(mb))
+            out.loss.backward()
+            totals["loss"] += float(out.loss.detach())
+            for key, value in out.stats.items():
+                totals[key] += value
+        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
+        else:
+            self.optimizer.step()
+        totals["skipped_steps"] = float(skipped)
+        totals["grad_norm"] = grad_norm
+        totals["micro_batches"] = float(len(micro_batches))
+        totals["samples"] = float(sum(len(mb.samples) for mb in micro_batches))
+        return dict(totals)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the state dict; tied tensors stay shared in the copy."""
+        copies: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict().items():
+            key = tensor.data_ptr()
+            if key not in copies:
+                copies[key] = tensor.detach().clone()
+            out[name] = copies[key]
+        return out
+
+    def save(self, path: str) -> None:
+        """Write the HF model folder plus ``optimizer.pt`` into ``path``."""
+        os.makedirs(path, exist_ok=True)
+        self.model.save_pretrained(path)
+        torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
+
+    def load(self, path: str) -> None:
+        """Restore weights (in place, so the optimizer keeps its parameters) and optimizer state."""
+        loaded = type(self.model).from_pretrained(path, dtype=torch.float32)
+        self.model.load_state_dict(loaded.state_dict())
+        state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state)
+
+    def _loss_inputs(self, mb: MicroBatch) -> LossInputs:
+        """Forward one micro-batch with grad; all tensors ``[tokens]`` of its response tokens."""
+        batch = self._to_device(pad_batch(mb.samples))
+        logp = self._response_logprobs(batch, self.temperature)
+        advantages = _flatten(mb.advantages, self.device)
+        prox_logp = _flatten(mb.prox_logprobs, self.device)
+        if not advantages.shape == prox_logp.shape == logp.shape:
+            raise ValueError(
+                f"micro-batch signals misaligned: {advantages.numel()} advantages, "
+                f"{prox_logp.numel()} prox log-probs, {logp.numel()} response tokens"
+            )
+        return LossInputs(
+            logp=logp,
+            prox_logp=prox_logp,
+            behav_logp=batch["behav_logprobs"],
+            advantages=advantages,
+            mask=batch["loss_mask"],
+            normaliser=mb.normaliser,
+        )
+
+    def _response_logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """``[N]`` log-probs of the response tokens under ``log_softmax(logits / T)``."""
+        logits = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits  # [B, T, V]
+        picked = logits[batch["logit_rows"], batch["logit_cols"]]  # [N, V]
+        if temperature > 0:
+            picked = picked / temperature
+        logp = torch.log_softmax(picked, dim=-1)
+        return logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+
+def _flatten(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
+    """Ragged per-sample values → ``[tokens]`` float32."""
+    return torch.tensor([x for row in rows for x in row], dtype=torch.float32, device=device)

@@ -1,0 +1,1 @@
+"""Rollout: workflows that turn prompts into scored samples, and held-out evaluation."""

@@ -1,0 +1,106 @@
+"""Single-turn workflow: one prompt → a group of ``n`` sampled responses → scored ``Sample`` s.
+
+It owns the per-sample seeds (so a group's tokens depend only on the run seed and the group id,
+never on batching or timing) and turns completions into samples. It does not decide when a
+group is admitted or trained: that is the controller's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.api import (
+    Completion,
+    GenerationRequest,
+    InferenceEngine,
+    PromptItem,
+    RewardFn,
+    Sample,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+_MASK64 = (1 << 63) - 1
+
+
+def sample_seed(run_seed: int, group_id: int, k: int) -> int:
+    """A deterministic 63-bit seed for sample ``k`` of group ``group_id`` (splitmix64 mixing)."""
+    x = (run_seed * 0x9E3779B97F4A7C15 + group_id * 0xBF58476D1CE4E5B9 + k * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 29
+    return x
+
+
+@dataclass(frozen=True)
+class SingleTurnWorkflow:
+    """Samples ``group_size`` responses for a prompt and scores each with ``reward``."""
+
+    tokenizer: Any
+    params: SamplingParams
+    group_size: int
+    run_seed: int = 0
+
+    async def run(
+        self, item: PromptItem, group_id: int, engine: InferenceEngine, reward: RewardFn
+    ) -> list[Sample]:
+        requests = [
+            GenerationRequest(
+                request_id=f"g{group_id}-s{k}",
+                prompt_ids=item.prompt_ids,
+                params=self.params,
+                seed=sample_seed(self.run_seed, group_id, k),
+            )
+            for k in range(self.group_size)
+        ]
+        completions = await asyncio.gather(*(engine.generate(r) for r in requests))
+        rewards = await asyncio.gather(*(self._score(c, item, reward) for c in completions))
+        return [
+            self._to_sample(c, r, item, group_id, k)
+            for k, (c, r) in enumerate(zip(completions, rewards, strict=True))
+        ]
+
+    def decode(self, completion: Completion) -> str:
+        return self.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+
+    async def _score(self, completion: Completion, item: PromptItem, reward: RewardFn) -> float:
+        value = reward(self.decode(completion), **item.fields)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value)
+
+    @staticmethod
+    def _to_sample(c: Completion, reward: float, item: PromptItem, group_id: int, k: int) -> Sample:
+        return Sample(
+            uid=f"{group_id}-{k}",
+            group_id=group_id,
+            prompt_ids=c.prompt_ids,
+            response_ids=c.token_ids,
+            behav_logprobs=c.logprobs,
+            token_versions=c.versions,
+            loss_mask=(1,) * len(c.token_ids),
+            reward=reward,
+            meta={"prompt_index": item.index, "finish_reason": c.finish_reason},
+        )
+
+
+def group_stats(samples: Sequence[Sample]) -> dict[str, float]:
+    """Batch-level rollout statistics: mean reward, response length, share of groups with signal."""
+    by_group: dict[int, list[float]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s.reward)
+    mixed = sum(1 for rs in by_group.values() if max(rs) != min(rs))
+    n = max(len(samples), 1)
+    return {
+        "reward_mean": sum(s.reward for s in samples) / n,
+        "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
+        "response_len_max": float(max((len(s.response_ids) for s in samples), default=0)),
+        "groups_with_signal": mixed / max(len(by_group), 1),
+        "truncated": sum(s.meta.get("finish_reason") == "length" for s in samples) / n,
+    }

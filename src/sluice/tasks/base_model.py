@@ -1,0 +1,95 @@
+"""The embedded default's base model: build tokenizer + tiny Llama, SFT-warm-start, cache on disk.
+
+``ensure_base_model`` returns a local Hugging Face folder; the run then loads it with
+``from_pretrained`` like any user model. The folder name hashes everything that shapes the
+weights, so a changed recipe rebuilds and an unchanged one is reused (idempotent). It does not
+evaluate or train with RL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from sluice.tasks.spec import TaskSpec, eval_rows
+from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
+from sluice.tasks.warm_start import sft_warm_start
+
+log = logging.getLogger(__name__)
+
+_RECIPE_VERSION = 1
+
+
+def base_model_dir(task: TaskSpec, cache_dir: str | Path, seed: int, eval_count: int) -> Path:
+    recipe = {
+        "v": _RECIPE_VERSION,
+        "task": task.name,
+        "alphabet": task.alphabet,
+        "model": asdict(task.model),
+        "sft": asdict(task.sft),
+        "seed": seed,
+        "eval_seed": task.eval_seed,
+        "eval_count": eval_count,
+    }
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+    return Path(cache_dir) / f"{task.name}-base-{digest}"
+
+
+def ensure_base_model(
+    task: TaskSpec,
+    cache_dir: str | Path,
+    seed: int,
+    eval_count: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> Path:
+    """Return the cached base model folder for ``task``, building it first if needed."""
+    target = base_model_dir(task, cache_dir, seed, eval_count)
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    started = time.monotonic()
+    tokenizer = build_char_tokenizer(task.alphabet)
+    model = build_tiny_llama(task.model, tokenizer, seed)
+    held_out = {row["prompt"] for row in eval_rows(task, eval_count)}
+
+    def demonstration(rng: random.Random) -> tuple[str, str]:
+        while True:
+            row = task.make_row(rng)
+            if row["prompt"] not in held_out:
+                return row["prompt"], task.demonstrate(row, rng)
+
+    losses = sft_warm_start(
+        model,
+        tokenizer,
+        demonstration,
+        steps=task.sft.steps,
+        batch_size=task.sft.batch_size,
+        lr=task.sft.lr,
+        seed=seed + 7,
+        on_step=on_step,
+    )
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "sluice_base.json").write_text(
+        json.dumps(
+            {
+                "task": task.name,
+                "sft_final_loss": losses[-1] if losses else None,
+                "sft_seconds": round(time.monotonic() - started, 1),
+                "parameters": sum(p.numel() for p in model.parameters()),
+            },
+            indent=2,
+        )
+    )
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    log.info("built base model %s in %.1fs", target, time.monotonic() - started)
+    return target

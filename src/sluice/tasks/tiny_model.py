@@ -1,0 +1,66 @@
+"""Builders for the embedded default: a character tokenizer and a tiny Llama from a config.
+
+Both are ordinary Hugging Face artefacts (``tokenizer.json`` + ``PreTrainedTokenizerFast``,
+``LlamaForCausalLM``), saved with ``save_pretrained`` so the default run loads its base model
+exactly the way a user's own model folder is loaded. No training happens here
+(``tasks/warm_start.py`` does the SFT).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """One token per character of ``alphabet`` plus ``<pad> <bos> <eos> <unk>``; prompts get ``<bos>``."""
+    chars = sorted(set(alphabet))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Shape of the tiny model; the vocabulary is padded up to a multiple of 8."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    intermediate_size: int = 384
+    max_position_embeddings: int = 128
+
+
+def build_tiny_llama(spec: TinyLlamaSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    """A randomly initialised ``LlamaForCausalLM`` (tied embeddings, no biases) for ``tokenizer``."""
+    vocab = -(-len(tokenizer) // 8) * 8
+    config = LlamaConfig(
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **asdict(spec),
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)

@@ -1,0 +1,42 @@
+"""Metric sinks: one JSON line per event in ``metrics.jsonl``, plus an in-memory history.
+
+Sinks only record what they are given; computing metrics is the caller's job. The console
+progress bar lives in ``telemetry/progress.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+class JsonlMetrics:
+    """Appends ``{"kind": ..., "time": ..., **values}`` records to a JSONL file."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.history: list[dict[str, Any]] = []
+        self._start = time.monotonic()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def log(self, kind: str, **values: Any) -> dict[str, Any]:
+        record = {"kind": kind, "elapsed_s": round(time.monotonic() - self._start, 3), **values}
+        record = {k: _jsonable(v) for k, v in record.items()}
+        self.history.append(record)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        return record
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return value.item()
+    return value

@@ -1,0 +1,108 @@
+"""Small deterministic fakes, one per Protocol, for unit tests only.
+
+Product code never imports this module. The simulation engine for benchmarks lives in
+``sluice/sim`` (a product feature), not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sluice.api import Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
+
+
+class FakeInferenceEngine:
+    """Answers each request with a scripted token sequence derived from its seed.
+
+    Tokens are ``(seed + i) % vocab`` for ``i < seed % max_new_tokens + 1``, stopping early at a
+    stop token; log-probs are ``-0.5`` and versions the engine's current version.
+    """
+
+    def __init__(self, vocab: int = 16, version: int = 0) -> None:
+        self.vocab = vocab
+        self.version = version
+        self.requests: list[GenerationRequest] = []
+        self.aborted: set[str] = set()
+        self.paused = False
+        self.loaded: list[int] = []
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self.requests.append(request)
+        await asyncio.sleep(0)
+        length = request.seed % request.params.max_new_tokens + 1
+        tokens: list[int] = []
+        reason = "length"
+        for i in range(length):
+            tok = (request.seed + i) % self.vocab
+            tokens.append(tok)
+            if tok in request.params.stop_token_ids:
+                reason = "stop"
+                break
+        if request.request_id in self.aborted:
+            tokens, reason = [], "abort"
+        return Completion(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            token_ids=tuple(tokens),
+            logprobs=(-0.5,) * len(tokens),
+            versions=(self.version,) * len(tokens),
+            finish_reason=reason,  # type: ignore[arg-type]
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def update_weights(self, weights: Mapping[str, Any], version: int, mode: str = "interrupt") -> None:
+        self.version = version
+        self.loaded.append(version)
+
+    def stats(self) -> dict[str, float]:
+        return {"requests": float(len(self.requests)), "version": float(self.version)}
+
+
+class FakeTrainEngine:
+    """Records the micro-batches it is given; its single 'weight' counts optimizer steps."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.seen: list[Sequence[MicroBatch]] = []
+
+    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
+        return [list(s.behav_logprobs) for s in samples]
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], algorithm: Any) -> dict[str, float]:
+        self.seen.append(micro_batches)
+        self.steps += 1
+        return {"loss": 0.0, "tokens": float(sum(mb.num_tokens for mb in micro_batches))}
+
+    def export_weights(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def save(self, path: str) -> None:
+        pass
+
+    def load(self, path: str) -> None:
+        pass
+
+
+class FakeAlgorithm:
+    """Advantage = reward for every token; loss = 0 with a token count."""
+
+    def advantages(self, samples: Sequence[Sample]) -> list[list[float]]:
+        return [[s.reward] * len(s.response_ids) for s in samples]
+
+    def loss(self, inputs: LossInputs) -> LossOutputs:
+        return LossOutputs(loss=inputs.logp.sum() * 0.0, stats={"tokens": float(inputs.mask.sum())})
+
+
+def length_reward(response: str, **_: Any) -> float:
+    """A reward with signal on any model: longer responses score higher (capped at 1)."""
+    return min(len(response) / 8.0, 1.0)

@@ -1,0 +1,65 @@
+"""The CLI turns bad input into one clear line on stderr, exit code 2, and no traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sluice.cli import main
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sluice.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_dry_run_prints_resolved_config(capsys):
+    assert main(["train", "--dry-run", "rollout.group_size=3", "run.name=zz"]) == 0
+    out = capsys.readouterr().out
+    assert "group_size: 3" in out
+    assert "name: zz" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["train", "rollout.nope=1"], "rollout.nope: unknown key"),
+        (["train", "rollout.group_size=many"], "rollout.group_size: Input should be a valid integer"),
+        (["train", "missing.yaml"], "config file not found: missing.yaml"),
+        (["train", "task.name=nosuch"], "task.name: unknown task 'nosuch'"),
+        (["train", "model.path=/no/such/model"], "model.path: /no/such/model does not exist"),
+        (["eval", "/no/such/model"], "model.path: /no/such/model does not exist"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, args, needle):
+    proc = _run(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_malformed_dataset_row_and_model_folder(tmp_path):
+    fake_model = tmp_path / "model"
+    fake_model.mkdir()
+    proc = _run("eval", str(fake_model), cwd=tmp_path)
+    assert proc.returncode == 2 and "has no config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer("0123456789>-")
+    model = build_tiny_llama(TinyLlamaSpec(hidden_size=32, num_hidden_layers=1, intermediate_size=64), tok, 0)
+    model.save_pretrained(fake_model)
+    tok.save_pretrained(fake_model)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "12>", "answer": "21"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    proc = _run(
+        "train", f"model.path={fake_model}", f"task.data_path={data}", "run.progress=false", cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "rows.jsonl row 1: field 'prompt' must be a non-empty string" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,71 @@
+from pathlib import Path
+
+import pytest
+
+from sluice.config import ConfigError, SluiceConfig, dump_config, load_config
+from sluice.config.reference import config_reference
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_dotted_overrides():
+    cfg = load_config(
+        None, ["rollout.group_size=4", "trainer.lr=1e-3", "run.name=abc", "trainer.betas=[0.8, 0.9]"]
+    )
+    assert cfg.rollout.group_size == 4
+    assert cfg.trainer.lr == pytest.approx(1e-3)
+    assert cfg.run.name == "abc"
+    assert cfg.trainer.betas == (0.8, 0.9)
+
+
+def test_yaml_file_then_overrides_win(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("rollout:\n  group_size: 3\n  prompts_per_step: 5\n")
+    cfg = load_config(path, ["rollout.group_size=7"])
+    assert (cfg.rollout.group_size, cfg.rollout.prompts_per_step) == (7, 5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["rollout.foo=1"], "rollout.foo: unknown key (allowed: group_size"),
+        (["nope=1"], "nope: unknown key"),
+        (["rollout.group_size=abc"], "rollout.group_size: Input should be a valid integer"),
+        (["rollout.group_size=0"], "rollout.group_size: Input should be greater than or equal to 1"),
+        (["run.mode=bogus"], "run.mode"),
+        (["rollout"], "expected dotted.key=value"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_dump_roundtrips():
+    cfg = load_config(None, ["run.steps=3"])
+    import yaml
+
+    assert SluiceConfig.model_validate(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+def test_every_field_is_documented():
+    for section in SluiceConfig.model_fields.values():
+        assert section.description, section
+        for name, field in section.annotation.model_fields.items():  # type: ignore[union-attr]
+            assert field.description, f"{name} has no docstring"
+
+
+def test_config_reference_is_current():
+    assert (REPO / "docs" / "config.md").read_text().strip() == config_reference().strip(), (
+        "docs/config.md is stale: run `.venv/bin/sluice config-docs > docs/config.md`"
+    )

@@ -1,0 +1,233 @@
+"""HFInferenceEngine: continuous batching is exact, log-probs match a forward pass, control works."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from sluice.api.protocols import InferenceEngine
+from sluice.api.types import Completion, GenerationRequest, SamplingParams
+from sluice.engines.hf_inference import HFInferenceEngine, sample_tokens
+from tiny import tiny_llama
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_llama(0)
+
+
+def _req(rid: str, prompt: list[int], n: int = 8, seed: int = 0, **params: object) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(prompt), SamplingParams(max_new_tokens=n, **params), seed=seed)  # type: ignore[arg-type]
+
+
+def _run(engine: HFInferenceEngine, requests: list[GenerationRequest]) -> list[Completion]:
+    futures = [engine.submit(r) for r in requests]
+    while engine.has_work():
+        engine.step()
+    return [f.result() for f in futures]
+
+
+def _alone(model: LlamaForCausalLM, request: GenerationRequest) -> Completion:
+    return _run(HFInferenceEngine(model, max_batch=1), [request])[0]
+
+
+def _mixed_requests() -> list[GenerationRequest]:
+    prompts = [
+        [1, 2, 3],
+        [4, 5, 6, 7, 8, 9],
+        [10],
+        [11, 12, 13, 14],
+        [1, 2, 3],
+        [20, 21],
+        [5] * 9,
+        [30, 31, 2],
+    ]
+    temperatures, top_ps = (0.0, 1.0, 0.7), (1.0, 0.9)
+    return [
+        _req(f"r{i}", p, 4 + 3 * (i % 4), 100 + i, temperature=temperatures[i % 3], top_p=top_ps[i % 2],
+             stop_token_ids=(7, 9) if i % 2 else ())
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+
+
+def test_engine_satisfies_protocol(model: LlamaForCausalLM) -> None:
+    assert isinstance(HFInferenceEngine(model), InferenceEngine)
+
+
+def test_continuous_batching_equals_one_at_a_time(model: LlamaForCausalLM) -> None:
+    requests = _mixed_requests()
+    engine = HFInferenceEngine(model, max_batch=3)
+
+    async def main() -> list[Completion]:
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    batched = asyncio.run(main())
+    singles = [_alone(model, r) for r in requests]
+    for b, s in zip(batched, singles, strict=True):
+        assert b.token_ids == s.token_ids
+        assert b.finish_reason == s.finish_reason
+        assert b.logprobs == pytest.approx(s.logprobs, abs=1e-5)
+    assert {c.finish_reason for c in batched} == {"stop", "length"}
+    assert all(len(c.token_ids) == r.params.max_new_tokens for c, r in zip(batched, requests, strict=True)
+               if c.finish_reason == "length")  # fmt: skip
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == 0
+    assert stats["generated_tokens"] == sum(len(c.token_ids) for c in batched)
+
+
+def _teacher_forced(model: LlamaForCausalLM, c: Completion, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([c.prompt_ids + c.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1]
+    return torch.log_softmax(logits / temperature, -1)  # [response, V]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_teacher_forced_forward(model: LlamaForCausalLM, temperature: float) -> None:
+    requests = [
+        _req(f"t{i}", [3 + i] * (2 + i), n=12, seed=i, temperature=temperature, top_p=0.8 if i else 1.0)
+        for i in range(4)
+    ]
+    for c in _run(HFInferenceEngine(model, max_batch=2), requests):
+        logp = _teacher_forced(model, c, temperature)
+        expected = logp.gather(1, torch.tensor(c.token_ids).unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_greedy_is_argmax_of_forward(model: LlamaForCausalLM) -> None:
+    requests = [_req(f"g{i}", [1 + i, 2, 3 + i], n=10, seed=i, temperature=0.0) for i in range(3)]
+    for c in _run(HFInferenceEngine(model), requests):
+        logp = _teacher_forced(model, c, 1.0)
+        assert c.token_ids == tuple(logp.argmax(-1).tolist())
+        expected = logp.max(-1).values
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+    a, b = _run(
+        HFInferenceEngine(model),
+        [_req("x", [4, 5], seed=1, temperature=0.0), _req("y", [4, 5], seed=2, temperature=0.0)],
+    )
+    assert a.token_ids == b.token_ids
+
+
+def test_abort_waiting_and_running(model: LlamaForCausalLM) -> None:
+    engine = HFInferenceEngine(model, max_batch=1)
+    running = engine.submit(_req("run", [1, 2], n=20))
+    waiting = engine.submit(_req("wait", [3, 4], n=20))
+    engine.step()
+    engine.step()
+    engine.abort("wait")
+    assert waiting.done()
+    assert waiting.result().finish_reason == "abort" and waiting.result().token_ids == ()
+    engine.abort("run")
+    assert not running.done()
+    engine.step()
+    done = running.result()
+    assert done.finish_reason == "abort" and len(done.token_ids) == 3 == len(done.logprobs) == len(
+        done.versions
+    )
+    assert not engine.has_work()
+    engine.abort("run")  # unknown or finished ids are ignored
+    again = _run(engine, [_req("run", [1, 2], n=20)])[0]
+    assert again.token_ids[:3] == done.token_ids
+
+
+def test_pause_resume_and_cancel(model: LlamaForCausalLM) -> None:
+    engine = HFInferenceEngine(model, max_batch=4)
+    future = engine.submit(_req("p", [1, 2], n=5))
+    engine.step()
+    engine.pause()
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["generated_tokens"] == 2 and not future.done()
+    engine.resume()
+    while engine.has_work():
+        engine.step()
+    assert len(future.result().token_ids) == 5
+
+    async def main() -> Completion:
+        task = asyncio.ensure_future(engine.generate(_req("c", [1, 2], n=50)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await engine.generate(_req("d", [1, 2], n=3))
+
+    assert len(asyncio.run(main()).token_ids) == 3
+    assert not engine.has_work()
+
+
+def test_seed_determines_tokens(model: LlamaForCausalLM) -> None:
+    reqs = [
+        _req("a", [1, 2, 3], n=16, seed=7),
+        _req("b", [1, 2, 3], n=16, seed=7),
+        _req("c", [1, 2, 3], n=16, seed=8),
+    ]
+    a, b, c = _run(HFInferenceEngine(model), reqs)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert a.token_ids != c.token_ids
+    assert _alone(model, reqs[2]).token_ids == c.token_ids
+
+
+def test_update_weights_changes_outputs_and_versions(model: LlamaForCausalLM) -> None:
+    engine = HFInferenceEngine(copy.deepcopy(model), version=3)
+    request = _req("w", [1, 2, 3], n=8, temperature=0.0)
+    before = _run(engine, [request])[0]
+    assert before.versions == (3,) * 8
+    torch.manual_seed(1)
+    new = {n: p + 0.5 * torch.randn_like(p) for n, p in model.named_parameters()}
+    future = engine.submit(request)
+    engine.step()  # prefill + one decode: 2 tokens on v3
+    engine.update_weights(new, version=4, mode="defer")
+    while engine.has_work():
+        engine.step()
+    assert future.result().versions == (3, 3) + (4,) * 6
+    after = _run(engine, [request])[0]
+    assert after.versions == (4,) * 8 and after.token_ids != before.token_ids
+    assert engine.stats()["version"] == 4.0
+    with pytest.raises(ValueError, match="unknown"):
+        engine.update_weights({**new, "model.nonexistent.weight": torch.zeros(1)}, version=5)
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights({"model.norm.weight": new["model.norm.weight"]}, version=5)
+    with pytest.raises(ValueError, match="mode"):
+        engine.update_weights(new, version=5, mode="sideways")  # type: ignore[arg-type]
+    assert engine.version == 4
+
+
+def test_prefix_sharing_equals_distinct_submission(model: LlamaForCausalLM) -> None:
+    prompt = [2, 4, 6, 8, 10]
+    group = [_req(f"s{i}", prompt, n=10, seed=i, top_p=0.95) for i in range(6)]
+    engine = HFInferenceEngine(model)
+    shared = _run(engine, [*group, _req("other", [1, 3, 5, 7, 9], n=4)])[:6]
+    assert engine.stats()["prefill_tokens"] == 2 * len(prompt)
+    for s, r in zip(shared, group, strict=True):
+        assert s.token_ids == _alone(model, r).token_ids
+    assert len({s.token_ids for s in shared}) > 1
+
+
+def test_sample_tokens_inverse_cdf_and_top_p() -> None:
+    logits = torch.tensor([[0.6, 0.3, 0.1]]).log().expand(4, 3)
+    u = torch.tensor([0.05, 0.65, 0.95, 0.95], dtype=torch.float64)
+    temp, full = torch.ones(4), torch.ones(4, dtype=torch.float64)
+    tokens, logp = sample_tokens(logits, temp, full, u)
+    assert tokens.tolist() == [0, 1, 2, 2]
+    torch.testing.assert_close(logp, torch.tensor([0.6, 0.3, 0.1, 0.1]).log())
+    nucleus = torch.tensor([0.5, 0.5, 0.5, 0.7], dtype=torch.float64)  # keeps {0} and {0, 1}
+    assert sample_tokens(logits, temp, nucleus, u)[0].tolist() == [0, 0, 0, 1]
+    greedy = sample_tokens(logits, torch.zeros(4), full, u)
+    assert greedy[0].tolist() == [0, 0, 0, 0]
+
+
+def test_from_pretrained_loads_a_saved_folder(model: LlamaForCausalLM, tmp_path: Path) -> None:
+    model.save_pretrained(tmp_path)
+    request = _req("f", [1, 2, 3], n=6, temperature=0.0)
+    loaded = HFInferenceEngine.from_pretrained(tmp_path, max_batch=2, version=7)
+    completion = _run(loaded, [request])[0]
+    assert completion.token_ids == _alone(model, request).token_ids
+    assert completion.versions == (7,) * 6 and not loaded.model.training
