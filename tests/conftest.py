@@ -2,8 +2,34 @@ import os
 import sys
 from pathlib import Path
 
+# One torch thread per process, fixed before torch starts its thread pools: the same numeric
+# environment as a Ray actor (Ray sets OMP_NUM_THREADS=1 for one-CPU actors), which the
+# bit-for-bit sync-vs-async tests rely on; and tests never oversubscribe the 2 cores.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole pytest session (started on first use)."""
+    import ray
+
+    # Ray workers inherit the environment of the processes ray.init starts, so they can import
+    # the test helpers (fakes.py) that tests pass into actors.
+    here = str(Path(__file__).parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()

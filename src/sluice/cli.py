@@ -1,4 +1,4 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``config-docs``.
+"""The ``sluice`` command line: ``train``, ``eval``, ``trace``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2. All work is delegated to
@@ -11,11 +11,9 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from sluice.config import ConfigError, dump_config, load_config
 
@@ -45,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. task.eval_prompts=200")
     ev.set_defaults(func=_eval)
+    trace = sub.add_parser("trace", help="render a run's timeline (trace.json) to a PNG Gantt chart")
+    trace.add_argument("path", help="run directory or trace JSON file")
+    trace.add_argument("-o", "--output", help="PNG path (default: next to the trace, trace.png)")
+    trace.set_defaults(func=_trace)
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
     return parser
@@ -74,11 +76,11 @@ def _train(args: argparse.Namespace) -> int:
     from sluice.telemetry import TrainProgress
 
     trainer = RLTrainer(cfg)
-    with _sft_bar(console, trainer.task.sft.steps) as on_sft_step:
-        trainer.init_engines(on_sft_step=on_sft_step)
+    with TrainProgress(trainer.task.sft.steps, "SFT warm start", cfg.run.progress, console) as sft_bar:
+        trainer.init_engines(on_sft_step=lambda step, loss: sft_bar.update(step, loss=loss))
     trainer.load_prompt_data()
     console.print(f"model {trainer.model_dir}  run dir {trainer.run_dir}")
-    with TrainProgress(cfg.run.steps, enabled=cfg.run.progress, console=console) as bar:
+    with TrainProgress(cfg.run.steps, "train", cfg.run.progress, console) as bar:
         result = trainer.fit(progress=bar)
     console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
     print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
@@ -94,36 +96,27 @@ def _eval(args: argparse.Namespace) -> int:
     trainer.load_prompt_data()
     result = trainer.evaluate()
     buckets = "  ".join(f"{k} {100 * v:.1f}" for k, v in result.by_bucket.items())
-    print(
-        f"accuracy {100 * result.accuracy:.1f}  ({result.count} held-out prompts, greedy)  {buckets}".rstrip()
-    )
+    print(f"accuracy {100 * result.accuracy:.1f}  ({result.count} held-out prompts, greedy)  {buckets}".rstrip())
     return 0
 
 
-@contextmanager
-def _sft_bar(console: Console, total: int) -> Iterator[Callable[[int, float], None]]:
-    """Progress bar for building the embedded default's base model (shown only if it runs)."""
-    progress = Progress(
-        TextColumn("[bold]SFT warm start"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        console=console,
-    )
-    task: list[TaskID] = []
+def _trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
 
-    def on_step(step: int, loss: float) -> None:
-        if not task:
-            progress.start()
-            task.append(progress.add_task("sft", total=total, loss=loss))
-        progress.update(task[0], completed=step, loss=loss)
+    from sluice.telemetry.gantt import render_gantt
+    from sluice.telemetry.trace import read_chrome_trace, trace_summary
 
-    try:
-        yield on_step
-    finally:
-        if task:
-            progress.stop()
+    path = Path(args.path)
+    trace_path = path / "trace.json" if path.is_dir() else path
+    if not trace_path.is_file():
+        raise ConfigError(f"trace: {trace_path} not found (run with run.trace=true, or pass a trace JSON)")
+    events = read_chrome_trace(trace_path)
+    png = render_gantt(events, args.output or trace_path.with_suffix(".png"), title=str(trace_path.parent.name))
+    summary = trace_summary(events)
+    idle = summary.get("trainer_idle_fraction")
+    idle_text = "n/a" if idle is None else f"{100 * idle:.0f}%"
+    print(f"wrote {png}  (wall {summary['wall_s']:.1f}s, trainer idle {idle_text})")
+    return 0
 
 
 def _config_reference() -> str:

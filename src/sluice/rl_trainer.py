@@ -40,7 +40,7 @@ from sluice.tasks.dataset import PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, TrainProgress
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.step import plan_step
+from sluice.trainer.step import plan_step, run_step, step_normaliser
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,7 @@ class RLTrainer:
 
     # -- AsyncFlow user-level API -------------------------------------------------------------
 
-    def init_engines(
-        self, on_sft_step: Callable[[int, float], None] | None = None, *, train: bool = True
-    ) -> None:
+    def init_engines(self, on_sft_step: Callable[[int, float], None] | None = None, *, train: bool = True) -> None:
         """Resolve the model (building the embedded default if ``model.path`` is null) and load
         one inference engine and, unless ``train`` is False, one train engine from it."""
         cfg = self.config
@@ -90,29 +88,21 @@ class RLTrainer:
         else:
             self.model_dir = Path(cfg.model.path)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.engine = HFInferenceEngine(load_causal_lm(self.model_dir), max_batch=cfg.rollout.max_batch)
-        self.train_engine = (
-            None
-            if not train
-            else HFTrainEngine(
-                load_causal_lm(self.model_dir),
-                lr=cfg.trainer.lr,
-                betas=cfg.trainer.betas,
-                weight_decay=cfg.trainer.weight_decay,
-                grad_clip=cfg.trainer.grad_clip,
-                temperature=cfg.rollout.temperature,
-            )
-        )
+        in_process = cfg.run.mode == "sync" or not train
+        if in_process:
+            self.engine = HFInferenceEngine(load_causal_lm(self.model_dir), max_batch=cfg.rollout.max_batch)
+        if in_process and train:
+            self.train_engine = HFTrainEngine(load_causal_lm(self.model_dir), **self.train_engine_kwargs)
         self.algorithm = GRPOAlgorithm(
             estimator=cfg.trainer.algorithm, clip_low=cfg.trainer.clip_low, clip_high=cfg.trainer.clip_high
         )
-        params = SamplingParams(
+        self.params = SamplingParams(
             max_new_tokens=self.max_new_tokens,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             stop_token_ids=(self.tokenizer.eos_token_id,),
         )
-        self.workflow = SingleTurnWorkflow(self.tokenizer, params, cfg.rollout.group_size, cfg.run.seed)
+        self.workflow = SingleTurnWorkflow(self.tokenizer, self.params, cfg.rollout.group_size, cfg.run.seed)
         self._engines_ready = True
 
     def load_prompt_data(self, rows: Iterable[dict[str, Any]] | None = None) -> None:
@@ -173,7 +163,7 @@ class RLTrainer:
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
         plan = plan_step(samples, self.algorithm, self.config.trainer.micro_batch_tokens)
-        metrics = self.train_engine.train_step(plan, self.algorithm)
+        metrics = run_step(self.train_engine, plan, self.algorithm, step_normaliser(samples))
         self.version += 1
         return metrics
 
@@ -183,11 +173,23 @@ class RLTrainer:
         return evaluate(self.engine, self.eval_items, self.tokenizer, self.reward, self.max_new_tokens)
 
     @property
+    def train_engine_kwargs(self) -> dict[str, Any]:
+        t = self.config.trainer
+        return {
+            "lr": t.lr,
+            "betas": t.betas,
+            "weight_decay": t.weight_decay,
+            "grad_clip": t.grad_clip,
+            "temperature": self.config.rollout.temperature,
+        }
+
+    @property
     def max_new_tokens(self) -> int:
         return self.config.rollout.max_new_tokens or self.task.max_new_tokens
 
     def fit(self, progress: TrainProgress | None = None) -> FitResult:
-        """Run the whole training: base eval, the loop, final eval, save the final model."""
+        """Run the whole training (``run.mode``: sync or async): base eval, the loop, final
+        eval, the final model saved as an HF folder, metrics and (async) the timeline trace."""
         cfg = self.config
         if not self._engines_ready:
             self.init_engines()
@@ -196,45 +198,58 @@ class RLTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.metrics = JsonlMetrics(self.run_dir / "metrics.jsonl")
-        base = self.evaluate()
-        self.metrics.log("eval", step=self.version, accuracy=base.accuracy, **_prefixed(base.by_bucket))
-        started = time.monotonic()
-        bar = progress or TrainProgress(cfg.run.steps, enabled=False)
-        last_acc = base.accuracy
-        timer = {"t": time.monotonic()}
+        self._progress = progress or TrainProgress(cfg.run.steps, enabled=False)
+        self._last_acc: float | None = None
+        self._started = time.monotonic()
+        if cfg.run.mode == "sync":
+            base, final = self._fit_sync()
+        else:
+            from sluice.controller.async_run import run_async_training
+
+            base, final = asyncio.run(run_async_training(self))
+        self.tokenizer.save_pretrained(self.final_model_dir)
+        minutes = (time.monotonic() - self._started) / 60
+        return FitResult(base.accuracy, final.accuracy, self.version, minutes, self.run_dir, self.final_model_dir)
+
+    @property
+    def final_model_dir(self) -> Path:
+        return self.run_dir / "final_model"
+
+    def _fit_sync(self) -> tuple[EvalResult, EvalResult]:
+        base = self.log_eval(self.evaluate())
 
         def after_step(version: int, batch: list[Sample], metrics: dict[str, float]) -> bool:
-            nonlocal last_acc
-            now = time.monotonic()
-            stats = group_stats(batch)
-            tokens = sum(len(s.response_ids) for s in batch)
-            record = {
-                **stats,
-                **metrics,
-                "step_s": now - timer["t"],
-                "tokens_per_s": tokens / (now - timer["t"]),
-            }
-            timer["t"] = now
-            if cfg.run.eval_every and version % cfg.run.eval_every == 0 and version < cfg.run.steps:
-                result = self.evaluate()
-                last_acc = result.accuracy
-                self.metrics.log(
-                    "eval", step=version, accuracy=result.accuracy, **_prefixed(result.by_bucket)
-                )
-                timer["t"] = time.monotonic()
-            self.metrics.log("train", step=version, **record)
-            bar.update(version, reward=stats["reward_mean"], acc=last_acc, tok_s=record["tokens_per_s"])
-            out_of_time = cfg.run.max_minutes is not None and now - started > 60 * cfg.run.max_minutes
-            return not out_of_time
+            stats = {**group_stats(batch), "trained_tokens": float(sum(len(s.response_ids) for s in batch))}
+            if self.eval_due(version):
+                self.log_eval(self.evaluate(), version)
+            return self.after_step(version, stats, metrics)
 
-        run_sync(self, cfg.run.steps, cfg.rollout.prompts_per_step, after_step)
-        minutes = (time.monotonic() - started) / 60
-        final = self.evaluate()
-        self.metrics.log("eval", step=self.version, accuracy=final.accuracy, **_prefixed(final.by_bucket))
-        final_dir = self.run_dir / "final_model"
-        self.train_engine.save(str(final_dir))
-        self.tokenizer.save_pretrained(final_dir)
-        return FitResult(base.accuracy, final.accuracy, self.version, minutes, self.run_dir, final_dir)
+        run_sync(self, self.config.run.steps, self.config.rollout.prompts_per_step, after_step)
+        final = self.log_eval(self.evaluate())
+        self.train_engine.save(str(self.final_model_dir))
+        return base, final
+
+    def eval_due(self, version: int) -> bool:
+        cfg = self.config.run
+        return bool(cfg.eval_every) and version % cfg.eval_every == 0 and version < cfg.steps
+
+    def after_step(self, version: int, stats: dict[str, float], metrics: dict[str, float]) -> bool:
+        """Log one step (after any due evaluation); False stops the run (``run.max_minutes``)."""
+        cfg = self.config.run
+        now = time.monotonic()
+        step_s = now - getattr(self, "_last_step_at", self._started)
+        tokens_per_s = stats["trained_tokens"] / max(step_s, 1e-9)
+        record = {**stats, **metrics, "step_s": step_s, "tokens_per_s": tokens_per_s}
+        self._last_step_at = time.monotonic()
+        self.metrics.log("train", step=version, **record)
+        self._progress.update(version, reward=record["reward_mean"], acc=self._last_acc, tok_s=record["tokens_per_s"])
+        return cfg.max_minutes is None or now - self._started <= 60 * cfg.max_minutes
+
+    def log_eval(self, result: EvalResult, step: int | None = None) -> EvalResult:
+        self._last_acc = result.accuracy
+        by_bucket = {f"accuracy_{k}": v for k, v in result.by_bucket.items()}
+        self.metrics.log("eval", step=self.version if step is None else step, accuracy=result.accuracy, **by_bucket)
+        return result
 
     def _require_engines(self) -> None:
         if not self._engines_ready:
@@ -243,7 +258,3 @@ class RLTrainer:
     def _require_data(self) -> None:
         if not self._data_ready:
             raise RuntimeError("call load_prompt_data() first")
-
-
-def _prefixed(by_bucket: dict[str, float]) -> dict[str, float]:
-    return {f"accuracy_{k}": v for k, v in by_bucket.items()}

@@ -38,6 +38,7 @@ def _config(model_dir, out, name):
             "rollout.max_new_tokens=8",
             "trainer.lr=3e-3",
             "trainer.micro_batch_tokens=64",
+            "run.mode=sync",
             "run.steps=3",
             "run.threads=1",
             "run.progress=false",
@@ -80,7 +81,5 @@ def test_same_seed_same_run(model_dir, tmp_path):
     for name in ("x", "y"):
         trainer = RLTrainer(_config(model_dir, tmp_path, name), reward=length_reward)
         result = trainer.fit()
-        runs.append(
-            [(r["reward_mean"], r["loss"], r["response_len_mean"]) for r in _train_records(result.run_dir)]
-        )
+        runs.append([(r["reward_mean"], r["loss"], r["response_len_mean"]) for r in _train_records(result.run_dir)])
     assert runs[0] == runs[1]

@@ -9,9 +9,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_dotted_overrides():
-    cfg = load_config(
-        None, ["rollout.group_size=4", "trainer.lr=1e-3", "run.name=abc", "trainer.betas=[0.8, 0.9]"]
-    )
+    cfg = load_config(None, ["rollout.group_size=4", "trainer.lr=1e-3", "run.name=abc", "trainer.betas=[0.8, 0.9]"])
     assert cfg.rollout.group_size == 4
     assert cfg.trainer.lr == pytest.approx(1e-3)
     assert cfg.run.name == "abc"

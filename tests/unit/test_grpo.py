@@ -66,10 +66,7 @@ def _sample(uid: str, group_id: int, reward: float, n_resp: int) -> Sample:
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo"])
 def test_algorithm_groups_interleaved_unequal_groups(estimator: str) -> None:
     rng = random.Random(1)
-    samples = [
-        _sample(f"s{i}", gid, rng.uniform(0, 1), rng.randint(1, 5))
-        for i, gid in enumerate([7, 3, 7, 3, 7, 9])
-    ]
+    samples = [_sample(f"s{i}", gid, rng.uniform(0, 1), rng.randint(1, 5)) for i, gid in enumerate([7, 3, 7, 3, 7, 9])]
     algo = GRPOAlgorithm(estimator=estimator)
     assert isinstance(algo, Algorithm)
     adv = algo.advantages(samples)

@@ -128,9 +128,7 @@ def test_abort_waiting_and_running(model: LlamaForCausalLM) -> None:
     assert not running.done()
     engine.step()
     done = running.result()
-    assert done.finish_reason == "abort" and len(done.token_ids) == 3 == len(done.logprobs) == len(
-        done.versions
-    )
+    assert done.finish_reason == "abort" and len(done.token_ids) == 3 == len(done.logprobs) == len(done.versions)
     assert not engine.has_work()
     engine.abort("run")  # unknown or finished ids are ignored
     again = _run(engine, [_req("run", [1, 2], n=20)])[0]
@@ -184,7 +182,7 @@ def test_update_weights_changes_outputs_and_versions(model: LlamaForCausalLM) ->
     new = {n: p + 0.5 * torch.randn_like(p) for n, p in model.named_parameters()}
     future = engine.submit(request)
     engine.step()  # prefill + one decode: 2 tokens on v3
-    engine.update_weights(new, version=4, mode="defer")
+    engine.update_weights(new, version=4, mode="interrupt")
     while engine.has_work():
         engine.step()
     assert future.result().versions == (3, 3) + (4,) * 6

@@ -78,11 +78,7 @@ def test_make_micro_batches_shares_step_normaliser() -> None:
     assert len(mbs) > 1 and all(mb.num_tokens <= 20 for mb in mbs)
     loss_tokens = sum(sum(s.loss_mask) for s in samples)
     assert {mb.normaliser for mb in mbs} == {float(loss_tokens)}
-    by_uid = {
-        s.uid: (a, p)
-        for mb in mbs
-        for s, a, p in zip(mb.samples, mb.advantages, mb.prox_logprobs, strict=True)
-    }
+    by_uid = {s.uid: (a, p) for mb in mbs for s, a, p in zip(mb.samples, mb.advantages, mb.prox_logprobs, strict=True)}
     assert sorted(by_uid) == sorted(s.uid for s in samples)
     for i, s in enumerate(samples):
         assert by_uid[s.uid] == (tuple(adv[i]), tuple(prox[i]))

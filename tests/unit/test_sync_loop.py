@@ -7,7 +7,7 @@ from fakes import FakeAlgorithm, FakeInferenceEngine, FakeTrainEngine
 from sluice.api import PromptItem, Sample, SamplingParams
 from sluice.controller.sync_loop import run_sync
 from sluice.rollout.single_turn import SingleTurnWorkflow, group_stats, sample_seed
-from sluice.trainer.step import plan_step
+from sluice.trainer.step import plan_step, step_normaliser
 
 
 class _Tok:
@@ -110,6 +110,7 @@ def test_plan_step_shares_the_step_normaliser():
     samples = asyncio.run(wf.run(item, 0, FakeInferenceEngine(), _reward))
     plan = plan_step(samples, FakeAlgorithm(), micro_batch_tokens=8)
     assert len(plan) > 1
-    total = sum(len(s.response_ids) for s in samples)
-    assert {mb.normaliser for mb in plan} == {float(total)}
-    assert sorted(s.uid for mb in plan for s in mb.samples) == sorted(s.uid for s in samples)
+    assert {mb.normaliser for mb in plan} == {1.0}  # sums; run_step scales by the step's tokens
+    assert step_normaliser(samples) == sum(len(s.response_ids) for s in samples)
+    assert [s.uid for mb in plan for s in mb.samples] == [s.uid for s in samples]  # in order
+    assert all(mb.num_tokens <= 8 or len(mb.samples) == 1 for mb in plan)

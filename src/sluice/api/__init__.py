@@ -5,9 +5,11 @@ behaviour. Tensors appear only as annotations (``"torch.Tensor"``) so this packa
 """
 
 from sluice.api.protocols import Algorithm, InferenceEngine, RewardFn, TrainEngine, WeightSync
+from sluice.api.queue import AsyncQueueClient, Batch, Policy, QueueClient, RowMeta, StorageUnit
 from sluice.api.types import (
     Completion,
     GenerationRequest,
+    GroupReport,
     LossInputs,
     LossOutputs,
     MicroBatch,
@@ -18,16 +20,23 @@ from sluice.api.types import (
 
 __all__ = [
     "Algorithm",
+    "AsyncQueueClient",
+    "Batch",
     "Completion",
     "GenerationRequest",
+    "GroupReport",
     "InferenceEngine",
     "LossInputs",
     "LossOutputs",
     "MicroBatch",
+    "Policy",
     "PromptItem",
+    "QueueClient",
     "RewardFn",
+    "RowMeta",
     "Sample",
     "SamplingParams",
+    "StorageUnit",
     "TrainEngine",
     "WeightSync",
 ]

@@ -129,3 +129,20 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    """What a rollout worker tells the controller about one prompt group (metadata, never data).
+
+    The samples themselves went to the TransferQueue (unless ``discard_reason`` is set, in which
+    case a named filter dropped the whole group). ``version`` is the group's oldest token's.
+    """
+
+    group_id: int
+    version: int
+    num_samples: int
+    response_tokens: int
+    rewards: tuple[float, ...]
+    discard_reason: str | None = None
+    finished_at: float = 0.0

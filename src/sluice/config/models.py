@@ -41,7 +41,7 @@ class TaskConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    group_size: int = Field(default=16, ge=1)
+    group_size: int = Field(default=8, ge=1)
     """Samples per prompt (the GRPO group, ``n``)."""
 
     prompts_per_step: int = Field(default=32, ge=1)
@@ -59,12 +59,26 @@ class RolloutConfig(_Section):
     max_batch: int = Field(default=512, ge=1)
     """Engine slots: sequences decoded together; a finished one frees its slot for a waiting one."""
 
+    max_staleness: int = Field(default=1, ge=0)
+    """η, the staleness bound of ``run.mode: async``: no trained sample is more than η policy
+    versions older than the policy being trained. 0 reproduces ``sync`` exactly; 1 is AsyncFlow's
+    one-step delayed update."""
+
+    weight_update: Literal["interrupt", "defer", "staggered"] = "interrupt"
+    """How engines take new weights: ``interrupt`` (load at once, re-prefill running sequences),
+    ``defer`` (finish running sequences on the old weights, then swap; drain time is counted),
+    ``staggered`` (replicas one at a time; a single engine behaves like ``defer``)."""
+
+    filter_groups: Literal["none", "zero_signal"] = "none"
+    """Dynamic filtering: ``zero_signal`` discards groups whose rewards are all equal (no GRPO
+    signal) and returns their admission credit; discards are counted per reason."""
+
 
 class TrainerConfig(_Section):
     algorithm: Literal["grpo", "dr_grpo"] = "grpo"
     """Advantage estimator: GRPO (group mean and std) or Dr.GRPO (group mean only)."""
 
-    lr: float = Field(default=3e-4, gt=0.0)
+    lr: float = Field(default=1e-4, gt=0.0)
     """Adam learning rate."""
 
     betas: tuple[float, float] = (0.9, 0.99)
@@ -94,10 +108,26 @@ class RunConfig(_Section):
     output_dir: str = "runs"
     """Parent folder of run directories."""
 
-    mode: Literal["sync"] = "sync"
-    """Pipeline mode. ``sync``: generate the whole batch, score, train, sync weights."""
+    mode: Literal["sync", "async"] = "async"
+    """``sync``: generate the whole batch, score, train, sync weights, one after another.
+    ``async``: rollout, scoring and training run concurrently and stream through the
+    TransferQueue under the staleness bound ``rollout.max_staleness``."""
 
-    steps: int = Field(default=200, ge=0)
+    backend: Literal["local", "ray"] = "ray"
+    """Where ``async`` workers run: ``ray`` (one actor per role, the production placement) or
+    ``local`` (one process; for debugging)."""
+
+    ray_address: str | None = None
+    """Ray cluster to join (``ray start --head`` prints it); ``null`` starts a local instance."""
+
+    actor_threads: int = Field(default=1, ge=1)
+    """torch threads of each rollout / trainer actor (their sum must not exceed the cores)."""
+
+    trace: bool = True
+    """Record a timeline of every worker's spans to ``trace.json`` in the run directory
+    (view in Perfetto, or ``sluice trace RUN_DIR`` for a PNG Gantt chart)."""
+
+    steps: int = Field(default=60, ge=0)
     """Training steps (policy versions) to run."""
 
     max_minutes: float | None = Field(default=None, gt=0.0)
@@ -106,7 +136,7 @@ class RunConfig(_Section):
     seed: int = 0
     """Seeds prompt order, sampling and model init; the same seed reproduces a run exactly."""
 
-    eval_every: int = Field(default=0, ge=0)
+    eval_every: int = Field(default=20, ge=0)
     """Evaluate on the held-out set every this many steps (0: only before and after)."""
 
     threads: int = Field(default=0, ge=0)

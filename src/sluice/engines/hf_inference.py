@@ -3,24 +3,31 @@
 ``HFInferenceEngine`` implements ``InferenceEngine`` for full-attention ``AutoModelForCausalLM``
 models (Llama, Qwen2, ...); the default RL loop generates with it on CPU. Each ``step()`` is
 deterministic (no clock): drop rows aborted since the last step; admit waiting requests (FIFO) up
-to ``max_batch``, prefilling each distinct prompt once (prefix sharing for GRPO groups; equal
-lengths share one unpadded forward) and sampling their first token from the prefill logits; then
-one decode step for all running rows. The running batch shares one right-aligned ``DynamicCache``
-(a 2-D mask marks valid columns; position ids count each row's own tokens): finished rows leave by
-``index_select``, new ones join by left-padding the shorter side. Sampling inverts the CDF of
-``softmax(logits / T)`` (after top-p) at ``u = hash(seed, token index)``, so a sample's tokens do
-not depend on its batch neighbours.
+to ``max_batch``, prefilling each distinct prompt once and sampling their first token from the
+prefill logits; then one decode step for all running rows. The running batch shares one
+right-aligned ``DynamicCache`` (``kv_batch.py``); sampling is counter-based per sample
+(``sampling.py``), so a sample's tokens do not depend on its batch neighbours.
 
-Deliberately not here: paged KV, chunked prefill, speculative decoding, sliding-window caches, and
-re-prefill on ``update_weights(mode="interrupt")``: running rows keep their old-weight KV cache and
-only new tokens' versions change (re-prefill comes with the rollout work). One engine is one
-replica, so ``"staggered"`` acts like ``"defer"``; every mode loads at once, between two steps.
+Weight updates (DESIGN.md "Versions and staleness"), always applied between two steps:
+
+- ``interrupt`` (AReaL): load now, then re-prefill every running row (prompt + tokens so far)
+  under the new weights so its KV cache is consistent, and keep decoding. Emitted tokens keep
+  their versions; later ones carry the new version; the sampling counter continues.
+- ``defer`` (AsyncFlow's delayed update): copy the weights into a host buffer and return; stop
+  admitting; running rows finish on the old weights (drain); then swap, set the version and
+  resume admission. A newer update replaces a staged one. Drain time is counted in ``stats()``.
+- ``staggered``: one engine is one replica, so it acts like ``defer``; staggering the swap
+  across replicas (generation never stops) belongs to the LLMProxy.
+
+Not thread-safe: call ``update_weights`` from the thread that runs ``step()`` (the event loop
+in the async driver). Deliberately not here: paged KV, chunked prefill, speculative decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -31,61 +38,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from sluice.api.protocols import WeightUpdateMode
 from sluice.api.types import Completion, FinishReason, GenerationRequest
 from sluice.engines.hf_model import load_causal_lm
+from sluice.engines.kv_batch import Rows, prefill
+from sluice.engines.sampling import sample_tokens, seed_key, uniforms
+
+__all__ = ["HFInferenceEngine", "sample_tokens"]
 
 logger = logging.getLogger(__name__)
 
-_U32 = 0xFFFFFFFF
 _MODES = ("interrupt", "defer", "staggered")
-
-
-def _pcg(x: Any) -> Any:
-    """PCG hash of uint32 values held in int64 (a Python int or a tensor); result in [0, 2**32)."""
-    state = (x * 747796405 + 2891336453) & _U32
-    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _U32
-    return ((word >> 22) ^ word) & _U32
-
-
-def _seed_key(seed: int) -> int:
-    """Mix a (possibly negative or > 32-bit) seed into a 32-bit per-sample key."""
-    return _pcg(_pcg((seed >> 32) & _U32) ^ (seed & _U32))
-
-
-def _uniforms(key: Tensor, index: Tensor) -> Tensor:
-    """Counter-based uniforms in [0, 1): ``key``, ``index`` [rows] int64 -> [rows] float64."""
-    return _pcg((key + _pcg(index)) & _U32).double() * 2.0**-32
-
-
-def _inverse_cdf(cum: Tensor, u: Tensor) -> Tensor:
-    """First index whose cumulative mass exceeds ``u`` times the total: cum [rows, V], u [rows]."""
-    return torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(1), right=True).squeeze(1)
-
-
-def sample_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per row: logits [rows, V]; temperature, top_p, u [rows] -> (tokens, log-probs) [rows].
-
-    ``temperature <= 0`` takes the argmax. The log-prob is ``log_softmax(logits / T)`` before top-p.
-    Rows with ``top_p < 1`` invert the CDF over tokens sorted by probability, the others over
-    vocabulary order; a row's result depends only on its own inputs.
-    """
-    greedy = temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
-    logp = torch.log_softmax(logits.float() / scale, dim=-1)
-    probs = logp.double().exp()
-    tokens = _inverse_cdf(probs.cumsum(-1), u)
-    nucleus = (top_p < 1) & ~greedy
-    if bool(nucleus.any()):
-        idx = nucleus.nonzero().squeeze(1)
-        sorted_p, order = probs[idx].sort(dim=-1, descending=True, stable=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p[idx].double().unsqueeze(1)
-        pick = _inverse_cdf(torch.where(keep, sorted_p, 0.0).cumsum(-1), u[idx])  # u < 1: a kept token
-        tokens[idx] = order.gather(1, pick.unsqueeze(1)).squeeze(1)
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 @dataclass(eq=False)  # compared by identity
@@ -95,56 +60,12 @@ class _Seq:
 
 
 @dataclass
-class _Rows:
-    """Row-aligned state of sequences sharing one right-aligned KV cache (row i is seqs[i])."""
+class _Staged:
+    """Weights waiting in host memory for the running rows to drain."""
 
-    seqs: list[_Seq]
-    cache: DynamicCache  # per layer keys / values [rows, kv_heads, cols, head_dim]
-    mask: Tensor  # [rows, cols] 1 where the column holds one of the row's tokens
-    last: Tensor  # [rows] token to feed next
-    pos: Tensor  # [rows] position id of `last` (= the row's tokens in the cache)
-    key: Tensor  # [rows] hash key from the request seed
-    ngen: Tensor  # [rows] tokens generated so far
-    max_new: Tensor  # [rows]
-    temp: Tensor  # [rows]
-    top_p: Tensor  # [rows]
-    stop: Tensor  # [rows, stops] stop token ids, -1 padded
-    out_tok: Tensor  # [rows, width] generated tokens
-    out_lp: Tensor  # [rows, width] their log-probs
-    out_ver: Tensor  # [rows, width] their policy versions
-
-    _PER_ROW = ("last", "pos", "key", "ngen", "max_new", "temp", "top_p")
-    _PADDED = (("stop", -1), ("out_tok", 0), ("out_lp", 0.0), ("out_ver", 0))
-
-    def select(self, idx: Tensor) -> _Rows:
-        """Keep rows ``idx`` [kept] and drop leading columns no kept row uses."""
-        self.seqs = [self.seqs[i] for i in idx.tolist()]
-        mask = self.mask.index_select(0, idx)
-        first = int(mask.any(0).to(torch.int8).argmax())
-        self.mask = mask[:, first:]
-        for layer in self.cache.layers:
-            for attr in ("keys", "values"):
-                setattr(layer, attr, getattr(layer, attr)[:, :, first:].index_select(0, idx))
-        for name in self._PER_ROW + tuple(n for n, _ in self._PADDED):
-            setattr(self, name, getattr(self, name).index_select(0, idx))
-        return self
-
-    def extend(self, other: _Rows) -> _Rows:
-        """Append ``other``'s rows, left-padding the shorter cache with masked zero columns."""
-        cols = max(self.mask.shape[1], other.mask.shape[1])
-        self.seqs = self.seqs + other.seqs
-        self.mask = torch.cat([F.pad(m, (cols - m.shape[1], 0)) for m in (self.mask, other.mask)])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            for attr in ("keys", "values"):
-                pair = (getattr(mine, attr), getattr(theirs, attr))
-                setattr(mine, attr, torch.cat([F.pad(t, (0, 0, cols - t.shape[2], 0)) for t in pair]))
-        for name in self._PER_ROW:
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        for name, fill in self._PADDED:
-            a, b = getattr(self, name), getattr(other, name)
-            width = max(a.shape[1], b.shape[1])
-            setattr(self, name, torch.cat([F.pad(t, (0, width - t.shape[1]), value=fill) for t in (a, b)]))
-        return self
+    weights: dict[str, Tensor]
+    version: int
+    since: float  # perf_counter() when admission stopped (the first of superseded stagings)
 
 
 class HFInferenceEngine:
@@ -162,13 +83,18 @@ class HFInferenceEngine:
         self.max_batch = max_batch
         self.version = version
         self._waiting: deque[_Seq] = deque()
-        self._rows: _Rows | None = None
+        self._rows: Rows | None = None
         self._by_id: dict[str, _Seq] = {}
         self._abort_ids: set[str] = set()
         self._paused = False
         self._driver: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
-        self._counts = {"generated_tokens": 0, "prefill_tokens": 0, "steps": 0}
+        self._staged: _Staged | None = None
+        self._host: dict[str, Tensor] = {}  # reusable staging buffers (pinned on CUDA)
+        self._drain_s = 0.0
+        self._activated_at = time.time()
+        counters = ("generated_tokens", "prefill_tokens", "reprefill_tokens", "steps", "weight_updates")
+        self._counts = dict.fromkeys((*counters, "weight_updates_superseded"), 0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: Any) -> HFInferenceEngine:
@@ -199,32 +125,48 @@ class HFInferenceEngine:
         self._paused = False
         self._wake_driver()
 
-    def update_weights(
-        self, weights: Mapping[str, Tensor], version: int, mode: WeightUpdateMode = "interrupt"
-    ) -> None:
-        """Copy ``weights`` (``state_dict`` names covering every parameter; tied aliases count once)
-        into the model now, between steps, and tag later tokens with ``version``."""
+    def update_weights(self, weights: Mapping[str, Tensor], version: int, mode: WeightUpdateMode = "interrupt") -> None:
+        """Apply ``weights`` (``state_dict`` names covering every parameter; tied aliases count once)
+        as ``version`` in ``mode`` (see the module docstring). ``interrupt`` loads before returning;
+        ``defer`` / ``staggered`` copy to host memory and swap once the running rows drain (at once
+        when none run). A newer update replaces a staged one."""
         if mode not in _MODES:
             raise ValueError(f"unknown weight update mode {mode!r}; expected one of {_MODES}")
-        state = self.model.state_dict()
-        unknown = sorted(set(weights) - set(state))
-        bad = [n for n, w in weights.items() if n in state and w.shape != state[n].shape]
-        covered = {state[n].data_ptr() for n in weights if n in state}
-        missing = [n for n, p in self.model.named_parameters() if p.data_ptr() not in covered]
-        problems = [("unknown names", unknown), ("missing parameters", missing), ("shape mismatch", bad)]
-        if any(names for _, names in problems):
-            detail = "; ".join(f"{what} {names[:5]} ({len(names)})" for what, names in problems if names)
-            raise ValueError(f"update_weights: {detail}")
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                state[name].copy_(tensor)
-        logger.debug("weights v%d -> v%d (mode=%s)", self.version, version, mode)
-        self.version = version
+        self._check_weights(weights)
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            self._counts["weight_updates_superseded"] += 1
+        if mode == "interrupt":
+            if staged is not None:  # admission was stopped since it was staged
+                self._drain_s += time.perf_counter() - staged.since
+            self._load(weights, version)
+            if self._rows is not None:
+                with torch.inference_mode():
+                    self._reprefill(self._rows)
+            return
+        since = staged.since if staged is not None else time.perf_counter()
+        self._staged = _Staged(self._stage(weights), version, since)
+        self._swap_if_drained()
 
     def stats(self) -> dict[str, float]:
+        """Counters plus weight-sync state: ``version``, ``pending_version`` (-1: none staged),
+        ``weight_updates`` (loads), ``weight_updates_superseded`` (staged ones replaced by newer),
+        ``weight_drain_s`` (cumulative seconds admission stood still for a staged update) and
+        ``version_activated_at`` (``time.time()`` when the current version became active)."""
         running = len(self._rows.seqs) if self._rows is not None else 0
+        pending = self._staged.version if self._staged is not None else -1
         counts = {"running": running, "waiting": len(self._waiting), **self._counts, "version": self.version}
-        return {name: float(value) for name, value in counts.items()}
+        extra = {
+            "pending_version": pending,
+            "weight_drain_s": self._drain_s,
+            "version_activated_at": self._activated_at,
+        }
+        return {name: float(value) for name, value in {**counts, **extra}.items()}
+
+    def weights_checksum(self) -> float:
+        """The float64 sum of every parameter element (tied aliases once): a cheap fingerprint."""
+        with torch.no_grad():
+            return float(sum(p.double().sum() for p in self.model.parameters()))
 
     def submit(self, request: GenerationRequest) -> Future[Completion]:
         """Queue ``request`` without asyncio; the future resolves during some later ``step()``."""
@@ -242,82 +184,82 @@ class HFInferenceEngine:
         return seq.future
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or self._rows is not None
+        return bool(self._waiting) or self._rows is not None or self._staged is not None
 
     def step(self) -> None:
-        """One scheduler iteration: drop aborted rows, admit + prefill, one decode step."""
+        """One scheduler iteration: drop aborted rows, admit + prefill (unless an update is staged),
+        one decode step; a staged update swaps in as soon as no row runs."""
         with torch.inference_mode():
             if self._abort_ids and self._rows is not None:
                 aborted = [s.request.request_id in self._abort_ids for s in self._rows.seqs]
                 self._rows = self._retire(self._rows, torch.tensor(aborted, device=self.device), None)
+            self._swap_if_drained()
             if self._paused:
                 return
-            self._admit()
+            if self._staged is None:
+                self._admit()
             self._decode()
+            self._swap_if_drained()
         self._counts["steps"] += 1
+
+    def _check_weights(self, weights: Mapping[str, Tensor]) -> None:
+        state = self.model.state_dict()
+        unknown = sorted(set(weights) - set(state))
+        bad = [n for n, w in weights.items() if n in state and w.shape != state[n].shape]
+        covered = {state[n].data_ptr() for n in weights if n in state}
+        missing = [n for n, p in self.model.named_parameters() if p.data_ptr() not in covered]
+        problems = [("unknown names", unknown), ("missing parameters", missing), ("shape mismatch", bad)]
+        if any(names for _, names in problems):
+            detail = "; ".join(f"{what} {names[:5]} ({len(names)})" for what, names in problems if names)
+            raise ValueError(f"update_weights: {detail}")
+
+    def _stage(self, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Copy ``weights`` into the reusable host buffers (pinned when the model is on CUDA)."""
+        for name, w in weights.items():
+            buf = self._host.get(name)
+            if buf is None or buf.shape != w.shape or buf.dtype != w.dtype:
+                buf = torch.empty(w.shape, dtype=w.dtype, pin_memory=self.device.type == "cuda")
+                self._host[name] = buf
+            buf.copy_(w.detach())
+        return {name: self._host[name] for name in weights}
+
+    def _load(self, weights: Mapping[str, Tensor], version: int) -> None:
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                state[name].copy_(tensor)
+        logger.debug("weights v%d -> v%d", self.version, version)
+        self.version = version
+        self._counts["weight_updates"] += 1
+        self._activated_at = time.time()
+
+    def _swap_if_drained(self) -> None:
+        if self._staged is None or self._rows is not None:
+            return
+        staged, self._staged = self._staged, None
+        self._drain_s += time.perf_counter() - staged.since
+        self._load(staged.weights, staged.version)
+
+    def _reprefill(self, rows: Rows) -> None:
+        """Rebuild the running rows' KV cache (prompt + tokens so far, not ``last``) with the current
+        weights; ``last``, positions and sampling counters stay as they are."""
+        sequences = rows.cached_tokens([s.request.prompt_ids for s in rows.seqs])
+        rows.cache, rows.mask, _, computed = prefill(self.model, sequences)
+        self._counts["reprefill_tokens"] += computed
 
     def _admit(self) -> None:
         free = self.max_batch - (len(self._rows.seqs) if self._rows is not None else 0)
         if free <= 0 or not self._waiting:
             return
         new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        fresh, logits = self._prefill(new)
+        cache, mask, logits, computed = prefill(self.model, [s.request.prompt_ids for s in new])
+        self._counts["prefill_tokens"] += computed
+        keys = [seed_key(s.request.seed) for s in new]
+        fresh = Rows.start(new, [s.request.params for s in new], keys, cache, mask)
         done, stopped = self._advance(fresh, logits)
         kept = self._retire(fresh, done, stopped)
         if kept is not None:
             self._rows = kept if self._rows is None else self._rows.extend(kept)
-
-    def _prefill(self, new: list[_Seq]) -> tuple[_Rows, Tensor]:
-        """Prefill each distinct prompt once; returns the new rows and their logits [rows, V]."""
-        groups: dict[tuple[int, ...], list[_Seq]] = {}
-        for seq in new:
-            groups.setdefault(tuple(seq.request.prompt_ids), []).append(seq)
-        rows: _Rows | None = None
-        logits: list[Tensor] = []
-        for length in sorted({len(p) for p in groups}):
-            prompts = [p for p in groups if len(p) == length]
-            ids = torch.tensor(prompts, dtype=torch.long, device=self.device)  # [prompts, length]
-            positions = torch.arange(length, device=self.device).expand(len(prompts), length)
-            cache = DynamicCache()
-            out = self.model(
-                input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
-            self._counts["prefill_tokens"] += ids.numel()
-            share = torch.tensor([i for i, p in enumerate(prompts) for _ in groups[p]], device=self.device)
-            part = self._new_rows([s for p in prompts for s in groups[p]], cache, share, length)
-            logits.append(out.logits[:, -1].index_select(0, share))
-            rows = part if rows is None else rows.extend(part)
-        assert rows is not None
-        return rows, torch.cat(logits)
-
-    def _new_rows(self, seqs: list[_Seq], cache: DynamicCache, share: Tensor, length: int) -> _Rows:
-        """Rows for ``seqs`` whose prompt KV is ``cache`` row ``share[i]`` (prompt ``length`` tokens)."""
-        for layer in cache.layers:
-            for attr in ("keys", "values"):
-                setattr(layer, attr, getattr(layer, attr).index_select(0, share))
-        n, params = len(seqs), [s.request.params for s in seqs]
-        stops = max(1, *(len(p.stop_token_ids) for p in params))
-        width = max(p.max_new_tokens for p in params)
-
-        def new(values: Any, dtype: torch.dtype = torch.long) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return _Rows(
-            seqs=list(seqs),
-            cache=cache,
-            mask=new([[1] * length] * n),
-            last=new([0] * n),
-            pos=new([length] * n),
-            key=new([_seed_key(s.request.seed) for s in seqs]),
-            ngen=new([0] * n),
-            max_new=new([p.max_new_tokens for p in params]),
-            temp=new([p.temperature for p in params], torch.float32),
-            top_p=new([p.top_p for p in params], torch.float64),
-            stop=new([[*p.stop_token_ids, *[-1] * (stops - len(p.stop_token_ids))] for p in params]),
-            out_tok=new([[0] * width] * n),
-            out_lp=new([[0.0] * width] * n, torch.float32),
-            out_ver=new([[0] * width] * n),
-        )
 
     def _decode(self) -> None:
         rows = self._rows
@@ -335,9 +277,9 @@ class HFInferenceEngine:
         done, stopped = self._advance(rows, out.logits[:, -1])
         self._rows = self._retire(rows, done, stopped)
 
-    def _advance(self, rows: _Rows, logits: Tensor) -> tuple[Tensor, Tensor]:
+    def _advance(self, rows: Rows, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Sample the next token of every row from logits [rows, V]; returns (done, stopped) [rows]."""
-        tokens, logprobs = sample_tokens(logits, rows.temp, rows.top_p, _uniforms(rows.key, rows.ngen))
+        tokens, logprobs = sample_tokens(logits, rows.temp, rows.top_p, uniforms(rows.key, rows.ngen))
         at = (torch.arange(len(rows.seqs), device=self.device), rows.ngen)
         rows.out_tok[at] = tokens
         rows.out_lp[at] = logprobs
@@ -348,7 +290,7 @@ class HFInferenceEngine:
         stopped = (rows.stop == tokens.unsqueeze(1)).any(1)
         return stopped | (rows.ngen >= rows.max_new), stopped
 
-    def _retire(self, rows: _Rows, done: Tensor, stopped: Tensor | None) -> _Rows | None:
+    def _retire(self, rows: Rows, done: Tensor, stopped: Tensor | None) -> Rows | None:
         """Resolve rows where ``done`` (reason from ``stopped``; None = aborted); return the rest."""
         if not bool(done.any()):
             return rows

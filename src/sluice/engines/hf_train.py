@@ -95,15 +95,36 @@ class HFTrainEngine:
             raise ValueError("train_step needs at least one micro-batch")
         if len({mb.normaliser for mb in micro_batches}) != 1:
             raise ValueError("all micro-batches of a step must share one normaliser")
+        self.begin_step()
+        for mb in micro_batches:
+            self.accumulate(mb, algorithm)
+        return self.finish_step()
+
+    def begin_step(self) -> None:
+        """Start a streamed step: clear gradients and the step's metric sums."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = defaultdict(float)
-        for mb in micro_batches:
-            out = algorithm.loss(self._loss_inputs(mb))
-            out.loss.backward()
-            totals["loss"] += float(out.loss.detach())
-            for key, value in out.stats.items():
-                totals[key] += value
+        self._totals: dict[str, float] = defaultdict(float)
+
+    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
+        """Forward + backward one micro-batch as soon as it is ready (gradients add up)."""
+        out = algorithm.loss(self._loss_inputs(mb))
+        out.loss.backward()
+        self._totals["loss"] += float(out.loss.detach())
+        self._totals["micro_batches"] += 1.0
+        self._totals["samples"] += float(len(mb.samples))
+        for key, value in out.stats.items():
+            self._totals[key] += value
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """Scale the accumulated gradients (``1 / normaliser`` when micro-batches were summed
+        with normaliser 1 because the step's size was not known yet), clip, AdamW step."""
+        totals = self._totals
+        if grad_scale != 1.0:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
+            totals["loss"] *= grad_scale
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
         skipped = not math.isfinite(grad_norm)
@@ -113,8 +134,6 @@ class HFTrainEngine:
             self.optimizer.step()
         totals["skipped_steps"] = float(skipped)
         totals["grad_norm"] = grad_norm
-        totals["micro_batches"] = float(len(micro_batches))
-        totals["samples"] = float(sum(len(mb.samples) for mb in micro_batches))
         return dict(totals)
 
     def export_weights(self) -> dict[str, torch.Tensor]:

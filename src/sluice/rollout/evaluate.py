@@ -37,9 +37,7 @@ def evaluate(
 
 
 async def _evaluate(engine, items, tokenizer, reward, max_new_tokens, threshold) -> EvalResult:  # type: ignore[no-untyped-def]
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,)
-    )
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
     requests = [GenerationRequest(f"eval-{it.index}", it.prompt_ids, params) for it in items]
     completions = await asyncio.gather(*(engine.generate(r) for r in requests))
     rewards = []

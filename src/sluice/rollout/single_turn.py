@@ -47,9 +47,7 @@ class SingleTurnWorkflow:
     group_size: int
     run_seed: int = 0
 
-    async def run(
-        self, item: PromptItem, group_id: int, engine: InferenceEngine, reward: RewardFn
-    ) -> list[Sample]:
+    async def run(self, item: PromptItem, group_id: int, engine: InferenceEngine, reward: RewardFn) -> list[Sample]:
         requests = [
             GenerationRequest(
                 request_id=f"g{group_id}-s{k}",
@@ -62,8 +60,7 @@ class SingleTurnWorkflow:
         completions = await asyncio.gather(*(engine.generate(r) for r in requests))
         rewards = await asyncio.gather(*(self._score(c, item, reward) for c in completions))
         return [
-            self._to_sample(c, r, item, group_id, k)
-            for k, (c, r) in enumerate(zip(completions, rewards, strict=True))
+            self._to_sample(c, r, item, group_id, k) for k, (c, r) in enumerate(zip(completions, rewards, strict=True))
         ]
 
     def decode(self, completion: Completion) -> str:

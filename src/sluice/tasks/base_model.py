@@ -71,6 +71,7 @@ def ensure_base_model(
         steps=task.sft.steps,
         batch_size=task.sft.batch_size,
         lr=task.sft.lr,
+        warmup_steps=task.sft.warmup_steps,
         seed=seed + 7,
         on_step=on_step,
     )

@@ -1,8 +1,8 @@
 """The embedded default task: reverse a string of digits, warm-started from noisy demonstrations.
 
 Prompt ``"<digits>>"``, answer the digits reversed; the reward is exact match. Input lengths are
-long-tailed (70 % of 2–6 digits, 30 % of 8–30), so answer lengths are too (held-out
-p99/p50 ≈ 5): the regime where asynchronous rollout pays.
+long-tailed (70 % of 3–6 digits, 30 % of 10–26), so answer lengths are too (held-out
+p99/p50 = 4.5): the regime where asynchronous rollout pays.
 
 The SFT demonstrations are deliberately noisy: some answers carry a spurious ``-`` prefix (a
 "distractor convention"), more often when the answer starts with a low digit. The warm-started
@@ -21,8 +21,8 @@ from sluice.tasks.spec import SftRecipe, TaskSpec
 from sluice.tasks.tiny_model import TinyLlamaSpec
 
 SHORT_SHARE = 0.7
-SHORT_LENGTHS = (2, 6)
-LONG_LENGTHS = (8, 30)
+SHORT_LENGTHS = (3, 6)
+LONG_LENGTHS = (10, 26)
 DISTRACTOR = "-"
 NOISE_LOW_DIGIT = 0.6
 """Share of demonstrations with the distractor when the answer starts with a digit below 7."""
@@ -50,7 +50,7 @@ REVERSE_DIGITS = TaskSpec(
     name="reverse_digits",
     alphabet="0123456789>" + DISTRACTOR,
     reward=exact_match_reward,
-    max_new_tokens=LONG_LENGTHS[1] + 3,
+    max_new_tokens=LONG_LENGTHS[1] + 3,  # the longest answer, its <eos>, and slack
     make_row=make_row,
     demonstrate=demonstrate,
     model=TinyLlamaSpec(
@@ -59,8 +59,8 @@ REVERSE_DIGITS = TaskSpec(
         num_attention_heads=4,
         num_key_value_heads=4,
         intermediate_size=384,
-        max_position_embeddings=80,
+        max_position_embeddings=128,
     ),
-    sft=SftRecipe(steps=330, batch_size=64, lr=1e-3),
+    sft=SftRecipe(steps=300, batch_size=64, lr=2e-3, warmup_steps=20),
     description="reverse a digit string; long-tailed lengths; noisy SFT demonstrations",
 )

@@ -22,6 +22,7 @@ class SftRecipe:
     steps: int
     batch_size: int
     lr: float
+    warmup_steps: int = 20
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""The console progress bar of a training run (rich): step, reward, accuracy, tokens/s.
+"""Console progress for long work (SFT warm start, training): a rich bar on a terminal, and a
+plain line at most every ``log_every_s`` seconds otherwise, so CI logs show progress too.
 
-A no-op when disabled or when stdout is not a terminal-like stream, so logs stay clean in CI.
+It only renders what it is given; metrics are computed elsewhere.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Console
@@ -12,31 +14,55 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class TrainProgress:
-    """``with TrainProgress(total, enabled) as bar: bar.update(step, reward=..., ...)``."""
+    """``with TrainProgress(total, "train") as bar: bar.update(step, reward=..., acc=...)``."""
 
-    def __init__(self, total: int, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        label: str = "train",
+        enabled: bool = True,
+        console: Console | None = None,
+        log_every_s: float = 15.0,
+    ) -> None:
+        self.total = total
+        self.label = label
         self.enabled = enabled
+        self.console = console or Console()
+        self.log_every_s = log_every_s
+        self._live = enabled and self.console.is_terminal
+        self._last_line = 0.0
+        self._started = time.monotonic()
         self._progress = Progress(
-            TextColumn("[bold]train"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"),
-            console=console,
-            disable=not enabled,
+            console=self.console,
+            disable=not self._live,
         )
-        self._task = self._progress.add_task("train", total=total, info="")
+        self._task = self._progress.add_task(label, total=total, info="")
+        self._shown = False  # started on the first update, so work that never runs shows nothing
 
     def __enter__(self) -> TrainProgress:
-        self._progress.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._progress.stop()
+        if self._shown:
+            self._progress.stop()
 
     def update(self, step: int, **fields: float | None) -> None:
         info = "  ".join(f"{k} {_fmt(v)}" for k, v in fields.items() if v is not None)
+        if not self._shown:
+            self._shown = True
+            self._progress.start()
         self._progress.update(self._task, completed=step, info=info)
+        now = time.monotonic()
+        plain = self.enabled and not self._live
+        if plain and (now - self._last_line >= self.log_every_s or step == self.total):
+            self._last_line = now
+            elapsed = now - self._started
+            self.console.print(f"{self.label} {step}/{self.total} [{elapsed:.0f}s] {info}", highlight=False)
 
 
 def _fmt(value: float) -> str:

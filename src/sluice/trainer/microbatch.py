@@ -11,7 +11,8 @@ Balancing strategy (AReaL-style, deterministic): first-fit-decreasing (FFD) fixe
 number of bins ``k``; then items, largest first, go to the least-loaded of ``k`` bins that
 still fits them (LPT), opening an extra bin only when none fits. An item larger than the
 budget always gets a bin of its own. Ties break on the lower index, so the result depends
-only on the token counts.
+only on the token counts. Training steps cut micro-batches in arrival order instead
+(``trainer/step.py``), so that streamed and whole-batch steps match bit for bit.
 
 Deliberately not here: padding-free packing (varlen attention), sequence parallelism,
 model forward passes and losses.

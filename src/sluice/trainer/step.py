@@ -1,16 +1,77 @@
-"""Plan one training step: advantages, the step-wide normaliser, token-budgeted micro-batches.
+"""Plan and run one training step: advantages, in-order token-budgeted micro-batches, and one
+optimizer step over their summed gradients scaled by the step-wide normaliser.
 
-The plan is pure data (``MicroBatch`` values); the train engine executes it. Because every
-micro-batch carries the same step-wide normaliser, the accumulated gradient equals the
-full-batch gradient however the batch is split. This module does not run models.
+Micro-batches are cut in the samples' arrival order (``InOrderPacker``: a micro-batch closes
+when the next sample would overflow the token budget, so every cut depends only on samples
+already seen) and summed with normaliser 1; the gradient is scaled by ``1 / normaliser`` (the
+step's loss tokens) at the end, once the step's size is known. A streaming trainer fed the same
+samples in the same order performs exactly the same floating-point operations as a
+whole-batch step, so streaming at η = 0 reproduces the sync loop bit for bit. This module does
+not run models itself; it drives a ``TrainEngine``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from sluice.api import Algorithm, MicroBatch, Sample
-from sluice.trainer.microbatch import make_micro_batches
+
+
+class StreamingTrainEngine(Protocol):
+    def begin_step(self) -> None: ...
+
+    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None: ...
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]: ...
+
+
+def step_normaliser(samples: Sequence[Sample]) -> float:
+    """Token-mean over the global batch: the number of loss tokens (at least 1)."""
+    return float(max(sum(sum(s.loss_mask) for s in samples), 1))
+
+
+class InOrderPacker:
+    """Cuts arriving samples into micro-batches of at most ``budget`` tokens (normaliser 1)."""
+
+    def __init__(self, budget: int) -> None:
+        if budget <= 0:
+            raise ValueError(f"micro-batch token budget must be > 0, got {budget}")
+        self.budget = budget
+        self.samples: list[Sample] = []
+        self._open: list[tuple[Sample, Sequence[float], Sequence[float]]] = []
+        self._tokens = 0
+
+    def add(
+        self,
+        samples: Sequence[Sample],
+        advantages: Sequence[Sequence[float]],
+        prox_logprobs: Sequence[Sequence[float]] | None = None,
+    ) -> list[MicroBatch]:
+        """Add samples in order; returns the micro-batches they completed."""
+        prox = prox_logprobs if prox_logprobs is not None else [s.behav_logprobs for s in samples]
+        done = []
+        for s, adv, p in zip(samples, advantages, prox, strict=True):
+            if self._open and self._tokens + s.num_tokens > self.budget:
+                done.append(self._close())
+            self._open.append((s, adv, p))
+            self._tokens += s.num_tokens
+            self.samples.append(s)
+        return done
+
+    def flush(self) -> list[MicroBatch]:
+        """The last, partial micro-batch (if any)."""
+        return [self._close()] if self._open else []
+
+    def _close(self) -> MicroBatch:
+        mb = MicroBatch(
+            samples=tuple(s for s, _, _ in self._open),
+            advantages=tuple(tuple(a) for _, a, _ in self._open),
+            prox_logprobs=tuple(tuple(p) for _, _, p in self._open),
+            normaliser=1.0,
+        )
+        self._open, self._tokens = [], 0
+        return mb
 
 
 def plan_step(
@@ -19,13 +80,20 @@ def plan_step(
     micro_batch_tokens: int,
     prox_logprobs: Sequence[Sequence[float]] | None = None,
 ) -> list[MicroBatch]:
-    """Split a global batch into micro-batches of at most ``micro_batch_tokens`` tokens.
+    """A whole step's micro-batches, exactly as ``InOrderPacker`` forms them while streaming.
 
-    ``prox_logprobs`` defaults to the behaviour log-probs (standard PPO: prox = behav), which is
-    exact for on-policy steps.
+    ``prox_logprobs`` defaults to the behaviour log-probs (standard PPO, exact on-policy).
     """
-    if not samples:
-        return []
-    advantages = algorithm.advantages(samples)
-    prox = prox_logprobs if prox_logprobs is not None else [s.behav_logprobs for s in samples]
-    return make_micro_batches(samples, advantages, prox, micro_batch_tokens)
+    packer = InOrderPacker(micro_batch_tokens)
+    planned = packer.add(samples, algorithm.advantages(samples), prox_logprobs)
+    return planned + packer.flush()
+
+
+def run_step(
+    engine: StreamingTrainEngine, micro_batches: Sequence[MicroBatch], algorithm: Algorithm, normaliser: float
+) -> dict[str, float]:
+    """One optimizer step: accumulate every micro-batch, then scale by ``1 / normaliser``."""
+    engine.begin_step()
+    for mb in micro_batches:
+        engine.accumulate(mb, algorithm)
+    return engine.finish_step(grad_scale=1.0 / normaliser)

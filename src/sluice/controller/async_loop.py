@@ -1,0 +1,142 @@
+"""The asynchronous streaming loop (``run.mode: async``): admission, rollout, training and weight
+sync run concurrently under the staleness bound η, and samples stream through the TransferQueue.
+
+It reads as the algorithm; the ledger keeps the books, the pipeline does the work:
+
+    admit groups while the gate has credit → each rollout generates, scores and writes its group
+    for each step v: take groups (must-include oldest first, else oldest ready) and stream them
+      into the trainer → optimizer step (v → v+1) → weight sync to the engines (in the
+      background; admission opens for v+1 once the engines hold it)
+
+The driver only moves group ids, versions and counters; sample data goes rollout → queue →
+trainer directly. At η = 0 it performs exactly the sync loop's computation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol
+
+from sluice.api import GroupReport, PromptItem
+from sluice.controller.ledger import GroupLedger
+
+
+class AsyncPipeline(Protocol):
+    """What the asynchronous loop drives (``controller/pipelines.py`` builds local and Ray ones)."""
+
+    engine_version: int
+    """The policy version every engine holds now."""
+
+    def next_prompt(self) -> PromptItem: ...
+
+    def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
+        """Generate, score and store a wave of groups started together; report each as it ends."""
+        ...
+
+    async def begin_step(self) -> None: ...
+
+    async def train_group(self, group_id: int) -> None: ...
+
+    async def finish_step(self) -> dict[str, float]: ...
+
+    async def sync_weights(self, version: int) -> dict[str, float]: ...
+
+
+StepCallback = Callable[[int, list[int], dict[str, float]], Awaitable[bool]]
+
+
+class AsyncController:
+    """Runs ``steps`` training steps of ``groups_per_step`` groups over an ``AsyncPipeline``."""
+
+    def __init__(self, pipeline: AsyncPipeline, ledger: GroupLedger, groups_per_step: int) -> None:
+        self.pipeline = pipeline
+        self.ledger = ledger
+        self.groups_per_step = groups_per_step
+        self.version = pipeline.engine_version
+        self.reports: dict[int, GroupReport] = {}
+        self._next_group = 0
+        self._news = asyncio.Event()
+        self._rollouts: set[asyncio.Task[None]] = set()
+        self._sync: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+
+    async def run(self, steps: int, after_step: StepCallback) -> None:
+        self._admit()
+        try:
+            while self.version < steps:
+                chosen = await self._train_step()  # stream B groups into the trainer
+                metrics = await self.pipeline.finish_step()  # optimizer step: v -> v + 1
+                self.ledger.trained(chosen, self.version)
+                self.version += 1
+                await self._await_sync()  # one weight sync in flight at a time
+                self._sync = asyncio.create_task(self._sync_weights(self.version))
+                if not await after_step(self.version, chosen, metrics):
+                    break
+            await self._await_sync()
+        finally:
+            await self._stop_rollouts()
+
+    async def _train_step(self) -> list[int]:
+        await self.pipeline.begin_step()
+        chosen: list[int] = []
+        while len(chosen) < self.groups_per_step:
+            self._raise_failure()
+            gid = self.ledger.next_for_step(self.version)
+            if gid is None:  # wait for a group to finish, be admitted, or be discarded
+                self._news.clear()
+                await self._news.wait()
+                continue
+            self.ledger.choose(gid)
+            chosen.append(gid)
+            await self.pipeline.train_group(gid)
+        return chosen
+
+    def _admit(self) -> None:
+        """Start new groups while ``accepted + in_flight < (v + η + 1) · B`` (v = engines' version),
+        all that fit as one wave."""
+        wave = []
+        while self.ledger.capacity(self.pipeline.engine_version) > 0:
+            gid, self._next_group = self._next_group, self._next_group + 1
+            self.ledger.admitted(gid, self.pipeline.engine_version)
+            wave.append((self.pipeline.next_prompt(), gid))
+        if wave:
+            task = asyncio.create_task(self._rollout(wave))
+            self._rollouts.add(task)
+            task.add_done_callback(self._rollouts.discard)
+        self._news.set()
+
+    async def _rollout(self, wave: list[tuple[PromptItem, int]]) -> None:
+        try:
+            async for report in self.pipeline.rollout_wave(wave):
+                self.reports[report.group_id] = report
+                if report.discard_reason is None:
+                    self.ledger.finished(report.group_id, report.version, report.num_samples)
+                else:
+                    self.ledger.discarded(report.group_id, report.discard_reason, report.num_samples)
+                self._admit()  # a discard returned its credit; a finished group is news
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # surfaced by the training loop, never swallowed
+            self._failure = err
+            self._news.set()
+
+    async def _sync_weights(self, version: int) -> None:
+        self.sync_metrics = await self.pipeline.sync_weights(version)
+        self._admit()  # the engines hold `version`: the gate opens for it
+
+    async def _await_sync(self) -> None:
+        if self._sync is not None:
+            await self._sync
+            self._sync = None
+
+    async def _stop_rollouts(self) -> None:
+        """Groups still generating when the run ends are aborted and counted, never trained."""
+        for task in list(self._rollouts):
+            task.cancel()
+        await asyncio.gather(*self._rollouts, return_exceptions=True)
+        self.ledger.abandon_open("run_end")
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError("a rollout failed") from self._failure

@@ -1,0 +1,113 @@
+"""A whole asynchronous training run: build the pipeline, evaluate, run the controller, collect.
+
+Glue between ``sluice.RLTrainer`` (config, task, data, logging) and the asynchronous loop: it
+places the workers (``controller/pipelines.py``), runs the base and final evaluations on the
+rollout engine, turns group reports into per-step statistics, saves the final model and writes
+the timeline (``trace.json``) and the sample-fate counters. It adds no scheduling logic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.controller.async_loop import AsyncController
+from sluice.controller.ledger import GroupLedger
+from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline
+from sluice.controller.staleness import StalenessGate
+from sluice.rollout.evaluate import EvalResult
+from sluice.rollout.filters import FILTERS
+from sluice.telemetry.trace import trace_summary, write_chrome_trace
+
+
+def pipeline_spec(trainer: Any) -> PipelineSpec:
+    cfg = trainer.config
+    return PipelineSpec(
+        model_dir=trainer.model_dir,
+        reward=trainer.reward,
+        params=trainer.params,
+        group_size=cfg.rollout.group_size,
+        run_seed=cfg.run.seed,
+        max_batch=cfg.rollout.max_batch,
+        algorithm=trainer.algorithm,
+        engine_kwargs=trainer.train_engine_kwargs,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        weight_update=cfg.rollout.weight_update,
+        group_filter=FILTERS[cfg.rollout.filter_groups],
+        actor_threads=cfg.run.actor_threads,
+        trace=cfg.run.trace,
+    )
+
+
+async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
+    """``trainer`` is a ``sluice.RLTrainer`` with engines resolved and prompts loaded."""
+    cfg = trainer.config
+    spec = pipeline_spec(trainer)
+    if cfg.run.backend == "ray":
+        pipeline: LocalPipeline | RayPipeline = RayPipeline(spec, trainer.prompts, cfg.run.ray_address)
+    else:
+        pipeline = LocalPipeline(spec, trainer.prompts)
+    trainer.pipeline = pipeline
+    max_new = trainer.max_new_tokens
+    try:
+        base = trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new))
+        gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
+        controller = AsyncController(pipeline, GroupLedger(gate), cfg.rollout.prompts_per_step)
+        trainer.controller = controller
+
+        async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
+            trainer.version = version
+            if trainer.eval_due(version):
+                trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new), version)
+            return trainer.after_step(version, step_stats(controller, chosen, version, metrics), metrics)
+
+        await controller.run(cfg.run.steps, after_step)
+        final = trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new))
+        trainer.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
+        await pipeline.save(str(trainer.final_model_dir))
+        if cfg.run.trace:
+            events = await pipeline.trace_events()
+            write_chrome_trace(trainer.run_dir / "trace.json", [events])
+            trainer.metrics.log("trace", **_trace_numbers(events))
+        return base, final
+    finally:
+        pipeline.close()
+
+
+def step_stats(
+    controller: AsyncController, chosen: list[int], version: int, metrics: dict[str, float]
+) -> dict[str, float]:
+    """Rollout statistics of the groups a step trained, from their reports (no sample data).
+
+    ``trained_before_generated`` is 1 when the trainer's first micro-batch of the step started
+    before the step's last group finished generating: streaming overlap inside a step.
+    """
+    reports = [controller.reports[g] for g in chosen]
+    last_generated = max((rep.finished_at for rep in reports), default=0.0)
+    first_trained = metrics.get("first_microbatch_at", 0.0)
+    rewards = [r for rep in reports for r in rep.rewards]
+    samples = max(len(rewards), 1)
+    mixed = sum(1 for rep in reports if len(set(rep.rewards)) > 1)
+    staleness = [version - 1 - rep.version for rep in reports]
+    return {
+        "reward_mean": sum(rewards) / samples,
+        "response_len_mean": sum(rep.response_tokens for rep in reports) / samples,
+        "groups_with_signal": mixed / max(len(reports), 1),
+        "trained_tokens": float(sum(rep.response_tokens for rep in reports)),
+        "staleness_max": float(max(staleness, default=0)),
+        "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "engine_version": float(controller.pipeline.engine_version),
+        "trained_before_generated": float(0 < first_trained < last_generated),
+    }
+
+
+def _staleness(ledger: GroupLedger) -> dict[str, float]:
+    return {f"staleness_{k}": float(v) for k, v in sorted(ledger.staleness.items())}
+
+
+def _trace_numbers(events: list[dict[str, Any]]) -> dict[str, float | None]:
+    summary = trace_summary(events)
+    return {
+        "wall_s": summary["wall_s"],
+        "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
+        "generate_train_overlap_fraction": summary.get("generate_train_overlap_fraction"),
+    }

@@ -1,0 +1,237 @@
+"""Placement of the asynchronous pipeline's workers: in one process (``local``) or as Ray actors.
+
+Both build the same three parts — a TransferQueue, one ``RolloutWorker``, one ``TrainerWorker`` —
+plus a weight sync, and expose them through the ``AsyncPipeline`` verbs the controller drives.
+``local`` runs the rollout worker on the event loop and the trainer in a worker thread (torch
+releases the GIL in its kernels, so they overlap); ``ray`` gives each role its own actor and
+process. Nothing here decides what to run when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams
+from sluice.queue import AsyncLocalQueue, LocalQueue
+from sluice.queue.samples import SAMPLE_COLUMNS
+from sluice.rollout.evaluate import EvalResult
+from sluice.rollout.filters import GroupFilter
+from sluice.rollout.worker import RolloutWorker
+from sluice.tasks.dataset import PromptStream
+from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
+from sluice.weights import InProcessWeightSync
+
+WEIGHT_POLL_S = 0.005
+
+
+@dataclass
+class PipelineSpec:
+    """Everything the workers are built from (picklable, so Ray actors can receive it)."""
+
+    model_dir: Path
+    reward: RewardFn
+    params: SamplingParams
+    group_size: int
+    run_seed: int
+    max_batch: int
+    algorithm: Algorithm
+    engine_kwargs: dict[str, Any]
+    micro_batch_tokens: int
+    weight_update: str
+    group_filter: GroupFilter | None = None
+    actor_threads: int = 1
+    trace: bool = True
+
+
+class _Pipeline:
+    """The verbs shared by both placements; subclasses say how to call the workers."""
+
+    def __init__(self, spec: PipelineSpec, prompts: PromptStream) -> None:
+        self.spec = spec
+        self.prompts = prompts
+        self.engine_version = 0
+
+    def next_prompt(self) -> PromptItem:
+        return self.prompts.take(1)[0]
+
+    async def _wait_engine_version(self, version: int) -> None:
+        """``defer`` swaps only after the running sequences drain: wait until it has."""
+        while (await self.engine_stats())["version"] < version:
+            await asyncio.sleep(WEIGHT_POLL_S)
+
+    async def engine_stats(self) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class LocalPipeline(_Pipeline):
+    """All workers in this process: rollout on the event loop, trainer in one worker thread."""
+
+    def __init__(self, spec: PipelineSpec, prompts: PromptStream) -> None:
+        super().__init__(spec, prompts)
+        self.queue = LocalQueue()
+        self.queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
+        self.weight_sync = InProcessWeightSync()
+        self.rollout_worker = RolloutWorker(**_rollout_kwargs(spec, AsyncLocalQueue(self.queue)))
+        self.trainer = TrainerWorker(**_trainer_kwargs(spec, self.queue, self.weight_sync))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-trainer")
+
+    async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
+        async for report in self.rollout_worker.run_groups(groups):
+            yield report
+
+    async def begin_step(self) -> None:
+        await self._in_trainer(self.trainer.begin_step)
+
+    async def train_group(self, group_id: int) -> None:
+        await self._in_trainer(self.trainer.add_group, group_id)
+
+    async def finish_step(self) -> dict[str, float]:
+        return await self._in_trainer(self.trainer.finish_step)
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        metrics = self.rollout_worker.load_version(self.weight_sync, version, self.spec.weight_update)
+        await self._wait_engine_version(version)
+        self.engine_version = version
+        return metrics
+
+    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
+        return await self.rollout_worker.evaluate(items, max_new_tokens)
+
+    async def engine_stats(self) -> dict[str, float]:
+        return self.rollout_worker.engine_stats()
+
+    async def trace_events(self) -> list[dict[str, Any]]:
+        return self.rollout_worker.drain_trace() + self.trainer.drain_trace()
+
+    async def save(self, path: str) -> None:
+        await self._in_trainer(self.trainer.save, path)
+
+    async def weights(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(trainer weights, engine weights), for tests."""
+        return self.trainer.weights_state(), self.rollout_worker.weights_state()
+
+    def close(self) -> None:
+        self.queue.close()
+        self._thread.shutdown(wait=True)
+
+    async def _in_trainer(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+
+class RayPipeline(_Pipeline):
+    """One Ray actor per role (rollout, trainer) plus the queue's storage and controller actors."""
+
+    def __init__(self, spec: PipelineSpec, prompts: PromptStream, address: str | None = None) -> None:
+        import ray
+
+        from sluice.queue import RayQueue
+        from sluice.weights import ObjectStoreWeightSync
+
+        super().__init__(spec, prompts)
+        ensure_ray(address)
+        self.queue = RayQueue.create(num_storage_units=1, tasks={TRAIN_TASK: SAMPLE_COLUMNS})
+        self.weight_sync = ObjectStoreWeightSync(name=f"sluice-weights-{os.getpid()}-{id(self)}")
+        env = {"OMP_NUM_THREADS": str(spec.actor_threads), "TOKENIZERS_PARALLELISM": "false"}
+        options: Any = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+        rollout_cls: Any = ray.remote(RolloutWorker).options(**options)
+        self.rollout_actor = rollout_cls.remote(**_rollout_kwargs(spec, self.queue.as_async()))
+        trainer_cls: Any = ray.remote(TrainerWorker).options(**options)
+        self.trainer_actor = trainer_cls.remote(**_trainer_kwargs(spec, self.queue, self.weight_sync))
+
+    async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
+        stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
+        async for ref in stream:
+            yield await ref
+
+    async def begin_step(self) -> None:
+        await self.trainer_actor.begin_step.remote()
+
+    async def train_group(self, group_id: int) -> None:
+        await self.trainer_actor.add_group.remote(group_id)
+
+    async def finish_step(self) -> dict[str, float]:
+        return await self.trainer_actor.finish_step.remote()
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        metrics = await self.rollout_actor.load_version.remote(self.weight_sync, version, self.spec.weight_update)
+        await self._wait_engine_version(version)
+        self.engine_version = version
+        return metrics
+
+    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
+        return await self.rollout_actor.evaluate.remote(list(items), max_new_tokens)
+
+    async def engine_stats(self) -> dict[str, float]:
+        return await self.rollout_actor.engine_stats.remote()
+
+    async def trace_events(self) -> list[dict[str, Any]]:
+        parts = await asyncio.gather(self.rollout_actor.drain_trace.remote(), self.trainer_actor.drain_trace.remote())
+        return [e for part in parts for e in part]
+
+    async def save(self, path: str) -> None:
+        await self.trainer_actor.save.remote(path)
+
+    async def weights(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return tuple(  # type: ignore[return-value]
+            await asyncio.gather(self.trainer_actor.weights_state.remote(), self.rollout_actor.weights_state.remote())
+        )
+
+    def close(self) -> None:
+        import ray
+
+        for handle in (self.rollout_actor, self.trainer_actor):
+            ray.kill(handle)
+        self.queue.shutdown()
+
+
+def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
+    return {
+        "model_dir": spec.model_dir,
+        "queue": queue,
+        "reward": spec.reward,
+        "params": spec.params,
+        "group_size": spec.group_size,
+        "run_seed": spec.run_seed,
+        "max_batch": spec.max_batch,
+        "group_filter": spec.group_filter,
+        "threads": spec.actor_threads,
+        "trace": spec.trace,
+    }
+
+
+def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any) -> dict[str, Any]:
+    return {
+        "model_dir": spec.model_dir,
+        "queue": queue,
+        "algorithm": spec.algorithm,
+        "weight_sync": weight_sync,
+        "group_size": spec.group_size,
+        "micro_batch_tokens": spec.micro_batch_tokens,
+        "engine_kwargs": spec.engine_kwargs,
+        "threads": spec.actor_threads,
+        "trace": spec.trace,
+    }
+
+
+def ensure_ray(address: str | None) -> None:
+    """Join ``address``, or start one local Ray instance sized for this machine (once per process)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    ray.init(
+        address="local",
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        object_store_memory=512 * 1024**2,
+        log_to_driver=False,
+    )

@@ -1,0 +1,43 @@
+"""TransferQueue: the streaming columnar sample store every pipeline task reads and writes.
+
+Rows × columns in storage units, one controller per task (readiness, exactly-once consumption,
+selection policies), an in-process backend (``LocalQueue``) and a Ray backend (``RayQueue``)
+behind the contracts of ``sluice.api.queue``. Importing this package is cheap: the Ray backend
+and the torch ``QueueIterableDataset`` load on first use.
+"""
+
+from typing import Any
+
+from sluice.api.queue import AsyncQueueClient, Batch, QueueClient, RowMeta, StorageUnit
+from sluice.queue.client import AsyncLocalQueue, LocalQueue
+from sluice.queue.controller import POLICIES, TaskController
+from sluice.queue.storage import InMemoryStorageUnit, PackedColumn
+
+__all__ = [
+    "POLICIES",
+    "AsyncLocalQueue",
+    "AsyncQueueClient",
+    "AsyncRayQueue",
+    "Batch",
+    "InMemoryStorageUnit",
+    "LocalQueue",
+    "PackedColumn",
+    "QueueClient",
+    "QueueIterableDataset",
+    "RayQueue",
+    "RowMeta",
+    "StorageUnit",
+    "TaskController",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("RayQueue", "AsyncRayQueue"):
+        from sluice.queue import ray_backend
+
+        return getattr(ray_backend, name)
+    if name == "QueueIterableDataset":
+        from sluice.queue.dataset import QueueIterableDataset
+
+        return QueueIterableDataset
+    raise AttributeError(f"module 'sluice.queue' has no attribute {name!r}")

@@ -1,0 +1,23 @@
+"""Dynamic group filters: decide, once a group is scored, whether it is trained or discarded.
+
+A filter is a plain function ``(samples) -> reason | None``; a returned reason names the
+discard in the run's counters, and the group's admission credit returns. Built-ins live in
+``FILTERS`` (a plain dict). Filters do not touch the queue or the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from sluice.api import Sample
+
+GroupFilter = Callable[[Sequence[Sample]], str | None]
+
+
+def zero_signal(samples: Sequence[Sample]) -> str | None:
+    """Discard a group whose rewards are all equal: its GRPO advantages are all zero (DAPO)."""
+    rewards = {s.reward for s in samples}
+    return "zero_signal" if len(rewards) <= 1 else None
+
+
+FILTERS: dict[str, GroupFilter | None] = {"none": None, "zero_signal": zero_signal}

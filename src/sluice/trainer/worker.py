@@ -1,0 +1,102 @@
+"""The train worker: streams a step's groups out of the TransferQueue into gradient accumulation.
+
+The controller hands it group ids in the step's canonical order (``add_group``); the worker
+reads those rows from the queue itself (data never passes through the driver), computes the
+group's advantages, and runs each micro-batch as soon as it is complete — cut in order by
+``pack_in_order``, so the step is bit-identical to a whole-batch step over the same samples.
+``finish_step`` scales by the step-wide normaliser, takes the optimizer step and publishes the
+new weights. It is synchronous (a blocking queue read waits for the rows); the same class runs in a worker
+thread (``backend: local``) or as a Ray actor. It does not choose groups.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluice.api import Algorithm, MicroBatch, QueueClient, WeightSync
+from sluice.engines.hf_model import load_causal_lm
+from sluice.engines.hf_train import HFTrainEngine
+from sluice.queue.samples import SAMPLE_COLUMNS, group_rows, rows_to_samples
+from sluice.telemetry.trace import SpanRecorder
+from sluice.trainer.step import InOrderPacker, step_normaliser
+
+TRAIN_TASK = "train"
+
+
+class TrainerWorker:
+    """Owns the train engine; consumes groups from the ``train`` task of the queue."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        queue: QueueClient,
+        algorithm: Algorithm,
+        weight_sync: WeightSync,
+        *,
+        group_size: int,
+        micro_batch_tokens: int,
+        engine_kwargs: dict[str, Any],
+        threads: int = 1,
+        trace: bool = True,
+    ) -> None:
+        torch.set_num_threads(threads)
+        self.engine = HFTrainEngine(load_causal_lm(model_dir), **engine_kwargs)
+        self.queue = queue
+        self.algorithm = algorithm
+        self.weight_sync = weight_sync
+        self.group_size = group_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.tracer = SpanRecorder("trainer", enabled=trace)
+        self.version = 0
+        self._step: InOrderPacker | None = None
+        self._timing: dict[str, float] = {}
+
+    def begin_step(self) -> None:
+        self._step = InOrderPacker(self.micro_batch_tokens)
+        self._timing = {"wait_data_s": 0.0, "first_microbatch_at": 0.0}
+        self.engine.begin_step()
+
+    def add_group(self, group_id: int) -> None:
+        """Read one group's rows (waiting until they are ready) and train every completed micro-batch."""
+        assert self._step is not None, "begin_step first"
+        start = time.perf_counter()
+        with self.tracer.span("wait_data", lane="trainer", group=group_id):
+            rows = group_rows(group_id, self.group_size)
+            batch = self.queue.get(TRAIN_TASK, SAMPLE_COLUMNS, len(rows), indices=rows, min_size=len(rows))
+        self._timing["wait_data_s"] += time.perf_counter() - start
+        samples = rows_to_samples(batch)
+        for mb in self._step.add(samples, self.algorithm.advantages(samples)):
+            self._accumulate(mb)
+
+    def finish_step(self) -> dict[str, float]:
+        """Flush, scale by the step-wide normaliser, optimizer step, publish version ``v + 1``."""
+        assert self._step is not None, "begin_step first"
+        for mb in self._step.flush():
+            self._accumulate(mb)
+        with self.tracer.span("optimizer_step", lane="trainer"):
+            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(self._step.samples))
+        self.version += 1
+        with self.tracer.span("weight_publish", lane="trainer", version=self.version):
+            self.weight_sync.publish(self.engine.export_weights(), self.version)
+        trained = sum(len(s.response_ids) for s in self._step.samples)
+        self._step = None
+        return {**metrics, **self._timing, "trained_tokens": float(trained), "version": float(self.version)}
+
+    def weights_state(self) -> dict[str, torch.Tensor]:
+        return self.engine.export_weights()
+
+    def save(self, path: str) -> None:
+        self.engine.save(path)
+
+    def drain_trace(self) -> list[dict[str, Any]]:
+        return self.tracer.drain()
+
+    def _accumulate(self, mb: MicroBatch) -> None:
+        if not self._timing["first_microbatch_at"]:
+            self._timing["first_microbatch_at"] = time.time()
+        with self.tracer.span("train_microbatch", lane="trainer", samples=len(mb.samples)):
+            self.engine.accumulate(mb, self.algorithm)

@@ -1,0 +1,111 @@
+"""TransferQueue semantics on the Ray backend: the shared suite of ``tests/unit/test_queue.py``
+against ``RayQueue``, plus producers and consumers in other processes and on asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import ray
+
+from sluice.api import QueueClient
+from sluice.queue import QueueIterableDataset, RayQueue
+from unit import test_queue as shared
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def make_queue(ray_cluster):
+    made: list[RayQueue] = []
+
+    def make(num_units: int = 1) -> QueueClient:
+        made.append(RayQueue.create(num_storage_units=num_units))
+        return made[-1]
+
+    yield make
+    for q in made:
+        q.shutdown()
+
+
+test_readiness_across_puts = shared.test_readiness_across_puts
+test_exactly_once_and_independent_tasks = shared.test_exactly_once_and_independent_tasks
+test_late_registration_sees_existing_rows = shared.test_late_registration_sees_existing_rows
+test_policies = shared.test_policies
+test_indices_restriction_and_timeout = shared.test_indices_restriction_and_timeout
+test_waiting_get_is_woken_by_writes_and_close = shared.test_waiting_get_is_woken_by_writes_and_close
+test_variable_length_roundtrip_multi_unit = shared.test_variable_length_roundtrip_multi_unit
+test_snapshot_restore_roundtrip = shared.test_snapshot_restore_roundtrip
+test_clear_frees_rows_consumed_by_every_task = shared.test_clear_frees_rows_consumed_by_every_task
+
+
+def test_producers_and_consumers_in_ray_tasks(make_queue) -> None:
+    """Producer and consumer Ray tasks get the pickled client; every row reaches each task once."""
+    q = make_queue(2)
+    q.register_task("train", ["tokens", "logp"])
+    q.register_task("audit", ["tokens"])
+
+    def _tokens(i: int) -> list[int]:
+        return [random.Random(i).randrange(50_000) for _ in range(i % 97)]
+
+    @ray.remote(num_cpus=0)
+    def produce(q: RayQueue, rows: list[int], seed: int) -> None:
+        import time
+
+        rng = random.Random(seed)
+        while rows:
+            k = rng.randint(1, 9)
+            chunk, rows = rows[:k], rows[k:]
+            q.put(chunk, {"tokens": [_tokens(i) for i in chunk]})
+            time.sleep(rng.random() * 0.005)
+            q.put(chunk, {"logp": [[-1.0] * len(_tokens(i)) for i in chunk]})
+
+    @ray.remote(num_cpus=0)
+    def consume(q: RayQueue, task: str, seed: int) -> list[tuple[int, list[int]]]:
+        rng = random.Random(seed)
+        out: list[tuple[int, list[int]]] = []
+        while batch := q.get(task, ["tokens"], rng.randint(1, 8), min_size=1):
+            out.extend(zip(batch.indices, batch.columns["tokens"], strict=True))
+        return out
+
+    rows = list(range(160))
+    consumers = [consume.remote(q, "train", s) for s in range(2)]
+    ray.get([produce.remote(q, rows[p::2], p) for p in range(2)])
+    q.close()
+    results = ray.get(consumers, timeout=60)
+    audit = q.get("audit", ["tokens"], 240, timeout=0)
+    for got in (results[0] + results[1], list(zip(audit.indices, audit.columns["tokens"], strict=True))):
+        indices = [i for i, _ in got]
+        assert len(indices) == len(set(indices)) and sorted(indices) == rows
+        assert all(tokens == _tokens(i) for i, tokens in got)
+
+
+def test_async_client_producers_and_consumers_and_dataset(make_queue) -> None:
+    q = make_queue()
+    aq = q.as_async()
+
+    async def main() -> list[int]:
+        await aq.register_task("t", ["x"])
+
+        async def produce(p: int) -> None:
+            for i in range(p, 60, 3):
+                await aq.put([i], {"x": [list(range(i))]})
+                await asyncio.sleep(random.random() * 0.002)
+
+        async def consume() -> list[int]:
+            seen = []
+            while batch := await aq.get("t", ["x"], 4, min_size=1, timeout=2.0):
+                assert batch.columns["x"] == [list(range(i)) for i in batch.indices]
+                seen.extend(batch.indices)
+            return seen
+
+        consumers = [asyncio.create_task(consume()) for _ in range(3)]
+        await asyncio.gather(*(produce(p) for p in range(3)))
+        await aq.close()
+        return [i for seen in await asyncio.gather(*consumers) for i in seen]
+
+    got = asyncio.run(main())
+    assert len(got) == len(set(got)) and sorted(got) == list(range(60))
+    q.put(list(range(60, 70)), {"x": [[i] for i in range(60, 70)]})
+    assert [len(b) for b in QueueIterableDataset(q, "t", ["x"], batch_size=4)] == [4, 4, 2]  # closed: no waiting
