@@ -25,12 +25,12 @@ test: $(STAMP) lint typecheck
 	$(BIN)/pytest tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks examples
+	$(BIN)/ruff check --fix src tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy src/sluice/api src/sluice/controller src/sluice/trainer

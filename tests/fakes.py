@@ -106,3 +106,56 @@ class FakeAlgorithm:
 def length_reward(response: str, **_: Any) -> float:
     """A reward with signal on any model: longer responses score higher (capped at 1)."""
     return min(len(response) / 8.0, 1.0)
+
+
+class FakePipeline:
+    """An ``AsyncPipeline`` whose rollouts sleep for a scripted latency (seconds) per group.
+
+    ``latency(group_id)`` and ``discard(group_id)`` script each group; a group's version is the
+    engine version when its wave started. ``steps`` records the group ids each step trained.
+    """
+
+    def __init__(self, latency: Any, discard: Any = None, sync_s: float = 0.0) -> None:
+        self.latency = latency
+        self.discard = discard or (lambda gid: False)
+        self.sync_s = sync_s
+        self.engine_version = 0
+        self.trainer_version = 0
+        self.steps: list[list[int]] = []
+        self._prompt = 0
+
+    def next_prompt(self) -> Any:
+        from sluice.api import PromptItem
+
+        self._prompt += 1
+        return PromptItem(self._prompt, f"p{self._prompt}", (1,), {})
+
+    async def rollout_wave(self, groups: Sequence[Any]) -> Any:
+        from sluice.api import GroupReport
+
+        version = self.engine_version
+
+        async def one(gid: int) -> GroupReport:
+            await asyncio.sleep(self.latency(gid))
+            reason = "scripted" if self.discard(gid) else None
+            return GroupReport(
+                gid, version, num_samples=2, response_tokens=10, rewards=(0.0, 1.0), discard_reason=reason
+            )
+
+        for done in asyncio.as_completed([one(gid) for _, gid in groups]):
+            yield await done
+
+    async def begin_step(self) -> None:
+        self.steps.append([])
+
+    async def train_groups(self, group_ids: list[int]) -> None:
+        self.steps[-1].extend(group_ids)
+
+    async def finish_step(self) -> dict[str, float]:
+        self.trainer_version += 1
+        return {"loss": 0.0}
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        await asyncio.sleep(self.sync_s)
+        self.engine_version = version
+        return {}

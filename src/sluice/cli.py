@@ -1,4 +1,4 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``trace``, ``config-docs``.
+"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2. All work is delegated to
@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. task.eval_prompts=200")
     ev.set_defaults(func=_eval)
+    bench = sub.add_parser("bench", help="end-to-end benchmarks (bench e2e: sync vs streaming vs async)")
+    bench.add_argument("kind", choices=["e2e"])
+    bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every variant")
+    bench.add_argument("--variants", help="comma-separated subset, e.g. 'sync,async η=1'")
+    bench.add_argument("--out", default="benchmarks/results/e2e.json", help="JSON output path")
+    bench.set_defaults(func=_bench)
     trace = sub.add_parser("trace", help="render a run's timeline (trace.json) to a PNG Gantt chart")
     trace.add_argument("path", help="run directory or trace JSON file")
     trace.add_argument("-o", "--output", help="PNG path (default: next to the trace, trace.png)")
@@ -97,6 +103,20 @@ def _eval(args: argparse.Namespace) -> int:
     result = trainer.evaluate()
     buckets = "  ".join(f"{k} {100 * v:.1f}" for k, v in result.by_bucket.items())
     print(f"accuracy {100 * result.accuracy:.1f}  ({result.count} held-out prompts, greedy)  {buckets}".rstrip())
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from sluice.bench.e2e import VARIANTS, format_table, run_e2e, write_json
+
+    variants = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"bench e2e --variants: unknown {unknown} (choose from {list(VARIANTS)})")
+    load_config(None, args.overrides)  # fail fast on a bad override
+    rows = run_e2e(args.overrides, variants=variants)
+    print(format_table(rows))
+    print(f"wrote {write_json(rows, args.out, args.overrides)}")
     return 0
 
 

@@ -38,7 +38,8 @@ from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.dataset import PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
-from sluice.telemetry import JsonlMetrics, TrainProgress
+from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
+from sluice.telemetry.trace import trace_numbers
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.step import plan_step, run_step, step_normaliser
 
@@ -51,6 +52,9 @@ class FitResult:
     final_accuracy: float
     steps: int
     minutes: float
+    """The whole ``fit``, evaluations included."""
+    loop_seconds: float
+    """The training loop alone (what throughput is measured over)."""
     run_dir: Path
     final_model_dir: Path
 
@@ -72,6 +76,9 @@ class RLTrainer:
         self._next_group = 0
         self._engines_ready = False
         self._data_ready = False
+        self.loop_seconds = 0.0
+        self.rollout_tracer = SpanRecorder("rollout", enabled=config.run.trace)
+        self.trainer_tracer = SpanRecorder("trainer", enabled=config.run.trace)
         torch.set_num_threads(config.run.threads or os.cpu_count() or 1)
         torch.manual_seed(config.run.seed)
 
@@ -142,7 +149,8 @@ class RLTrainer:
 
     def sync_actor_model(self) -> None:
         """Push the trainer's weights to the inference engine, tagged with the current version."""
-        self.engine.update_weights(self.train_engine.export_weights(), self.version)
+        with self.rollout_tracer.span("weight_sync", lane="weights", version=self.version):
+            self.engine.update_weights(self.train_engine.export_weights(), self.version)
 
     # -- loop steps (driven by controller.sync_loop) --------------------------------------------
 
@@ -159,11 +167,13 @@ class RLTrainer:
             runs = (self.workflow.run(item, gid, self.engine, self.reward) for item, gid in groups)
             return await asyncio.gather(*runs)
 
-        return [s for group in asyncio.run(_all()) for s in group]
+        with self.rollout_tracer.span("generate", lane="engine", groups=len(groups)):
+            return [s for group in asyncio.run(_all()) for s in group]
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
-        plan = plan_step(samples, self.algorithm, self.config.trainer.micro_batch_tokens)
-        metrics = run_step(self.train_engine, plan, self.algorithm, step_normaliser(samples))
+        with self.trainer_tracer.span("train_step", lane="trainer", samples=len(samples)):
+            plan = plan_step(samples, self.algorithm, self.config.trainer.micro_batch_tokens)
+            metrics = run_step(self.train_engine, plan, self.algorithm, step_normaliser(samples))
         self.version += 1
         return metrics
 
@@ -209,7 +219,9 @@ class RLTrainer:
             base, final = asyncio.run(run_async_training(self))
         self.tokenizer.save_pretrained(self.final_model_dir)
         minutes = (time.monotonic() - self._started) / 60
-        return FitResult(base.accuracy, final.accuracy, self.version, minutes, self.run_dir, self.final_model_dir)
+        return FitResult(
+            base.accuracy, final.accuracy, self.version, minutes, self.loop_seconds, self.run_dir, self.final_model_dir
+        )
 
     @property
     def final_model_dir(self) -> Path:
@@ -224,7 +236,17 @@ class RLTrainer:
                 self.log_eval(self.evaluate(), version)
             return self.after_step(version, stats, metrics)
 
+        self.rollout_tracer.drain()  # the trace covers the loop only
+        self.trainer_tracer.drain()
+        started = time.monotonic()
         run_sync(self, self.config.run.steps, self.config.rollout.prompts_per_step, after_step)
+        self.loop_seconds = time.monotonic() - started
+        groups = self.version * self.config.rollout.prompts_per_step
+        self.metrics.log("fates", groups_trained=groups, staleness_0=groups)  # sync: every sample on-policy
+        if self.config.run.trace:
+            events = self.rollout_tracer.drain() + self.trainer_tracer.drain()
+            write_chrome_trace(self.run_dir / "trace.json", [events])
+            self.metrics.log("trace", **trace_numbers(events))
         final = self.log_eval(self.evaluate())
         self.train_engine.save(str(self.final_model_dir))
         return base, final

@@ -96,9 +96,10 @@ class TrainerConfig(_Section):
     clip_high: float = Field(default=0.2, ge=0.0)
     """PPO ratio clip above 1 (``1 + clip_high``; raise it for DAPO clip-higher)."""
 
-    micro_batch_tokens: int = Field(default=8192, ge=1)
+    micro_batch_tokens: int = Field(default=2048, ge=1)
     """Token budget (prompt + response) of one micro-batch; gradients accumulate across them
-    with step-wide normalisation, so this changes memory and speed, never the result."""
+    with step-wide normalisation, so this changes memory and speed, never the result. Smaller
+    micro-batches let the streaming trainer start earlier in a step."""
 
 
 class RunConfig(_Section):

@@ -4,7 +4,8 @@ sync run concurrently under the staleness bound η, and samples stream through t
 It reads as the algorithm; the ledger keeps the books, the pipeline does the work:
 
     admit groups while the gate has credit → each rollout generates, scores and writes its group
-    for each step v: take groups (must-include oldest first, else oldest ready) and stream them
+    for each step v: take groups (oldest ready first, waiting for old ones still generating when
+      the staleness deadlines need them) and stream them
       into the trainer → optimizer step (v → v+1) → weight sync to the engines (in the
       background; admission opens for v+1 once the engines hold it)
 
@@ -36,7 +37,9 @@ class AsyncPipeline(Protocol):
 
     async def begin_step(self) -> None: ...
 
-    async def train_group(self, group_id: int) -> None: ...
+    async def train_groups(self, group_ids: list[int]) -> None:
+        """Stream these groups (in this order) into the current step's gradient accumulation."""
+        ...
 
     async def finish_step(self) -> dict[str, float]: ...
 
@@ -82,15 +85,25 @@ class AsyncController:
         chosen: list[int] = []
         while len(chosen) < self.groups_per_step:
             self._raise_failure()
-            gid = self.ledger.next_for_step(self.version)
-            if gid is None:  # wait for a group to finish, be admitted, or be discarded
+            batch = self._choose(self.groups_per_step - len(chosen), already=len(chosen))
+            if not batch:  # wait for a group to finish, be admitted, or be discarded
                 self._news.clear()
                 await self._news.wait()
                 continue
-            self.ledger.choose(gid)
-            chosen.append(gid)
-            await self.pipeline.train_group(gid)
+            chosen += batch
+            await self.pipeline.train_groups(batch)  # one call for every group ready now
         return chosen
+
+    def _choose(self, limit: int, already: int) -> list[int]:
+        """Every group the step may take right now, in the order the ledger hands them out."""
+        batch: list[int] = []
+        while len(batch) < limit:
+            gid = self.ledger.next_for_step(self.version, already + len(batch), self.pipeline.engine_version)
+            if gid is None:
+                break
+            self.ledger.choose(gid)
+            batch.append(gid)
+        return batch
 
     def _admit(self) -> None:
         """Start new groups while ``accepted + in_flight < (v + η + 1) · B`` (v = engines' version),

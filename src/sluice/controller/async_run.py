@@ -8,6 +8,7 @@ the timeline (``trace.json``) and the sample-fate counters. It adds no schedulin
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sluice.controller.async_loop import AsyncController
@@ -16,7 +17,7 @@ from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline
 from sluice.controller.staleness import StalenessGate
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
-from sluice.telemetry.trace import trace_summary, write_chrome_trace
+from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
 
 def pipeline_spec(trainer: Any) -> PipelineSpec:
@@ -60,14 +61,25 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
                 trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new), version)
             return trainer.after_step(version, step_stats(controller, chosen, version, metrics), metrics)
 
+        await pipeline.trace_events()  # drop the base evaluation: the trace covers the loop only
+        started = time.monotonic()
         await controller.run(cfg.run.steps, after_step)
-        final = trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new))
-        trainer.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
-        await pipeline.save(str(trainer.final_model_dir))
+        trainer.loop_seconds = time.monotonic() - started
+        (t_version, t_sum), (e_version, e_sum) = await pipeline.fingerprints()
+        trainer.metrics.log(
+            "weights",
+            trainer_version=t_version,
+            trainer_checksum=t_sum,
+            engine_version=e_version,
+            engine_checksum=e_sum,
+        )
         if cfg.run.trace:
             events = await pipeline.trace_events()
             write_chrome_trace(trainer.run_dir / "trace.json", [events])
-            trainer.metrics.log("trace", **_trace_numbers(events))
+            trainer.metrics.log("trace", **trace_numbers(events))
+        final = trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new))
+        trainer.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
+        await pipeline.save(str(trainer.final_model_dir))
         return base, final
     finally:
         pipeline.close()
@@ -102,12 +114,3 @@ def step_stats(
 
 def _staleness(ledger: GroupLedger) -> dict[str, float]:
     return {f"staleness_{k}": float(v) for k, v in sorted(ledger.staleness.items())}
-
-
-def _trace_numbers(events: list[dict[str, Any]]) -> dict[str, float | None]:
-    summary = trace_summary(events)
-    return {
-        "wall_s": summary["wall_s"],
-        "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
-        "generate_train_overlap_fraction": summary.get("generate_train_overlap_fraction"),
-    }

@@ -34,6 +34,7 @@ class GroupRecord:
     generated: bool = False
     num_samples: int = 0
     trained_at: int | None = None
+    discard_reason: str | None = None
 
 
 @dataclass
@@ -78,29 +79,53 @@ class GroupLedger:
         g = self._generating(group_id)
         if g.state is not GroupState.OPEN:
             raise ValueError(f"group {group_id} was already taken by a step; it cannot be discarded")
-        g.state, g.num_samples = GroupState.DISCARDED, num_samples
+        g.state, g.num_samples, g.discard_reason = GroupState.DISCARDED, num_samples, reason
         self.discards[reason] += num_samples
 
-    def next_for_step(self, version: int) -> int | None:
-        """The next generated group step ``version`` should take, or ``None`` to wait for news.
+    def next_for_step(self, version: int, chosen: int, engine_version: int) -> int | None:
+        """The next generated group step ``version`` should take (``chosen`` taken so far), or
+        ``None`` to wait for news.
 
-        Must-include groups (``group version ≤ v − η``) come first, oldest first: while the
-        oldest of them is still generating the step waits for it (counted once per group in
-        ``stale_waits``) rather than taking a newer ready group. Otherwise the oldest ready group.
+        Must-include groups (version ``≤ v − η``) come first, in (version, id) order, waiting
+        for each still generating — at η = 0 that is exactly the sync loop's order. Then the
+        oldest ready group, but only if taking it leaves enough slots in the coming steps for
+        every group that must be trained by then (a group of version ``g`` by step ``g + η``),
+        counting groups still generating and, while the engines are behind, those admission may
+        still add; otherwise the step waits for the old groups still generating.
+        ``stale_waits`` counts each group waited on once.
         """
         open_groups = sorted(
             (g for g in self.groups.values() if g.state is GroupState.OPEN), key=lambda g: (g.version, g.group_id)
         )
-        for g in open_groups:
-            if self.gate.must_include(g.version, version):
-                if g.generated:
-                    return g.group_id
-                if g.group_id not in self._waited:
-                    self._waited.add(g.group_id)
-                    self.stale_waits += 1
-                return None
-        ready = [g for g in open_groups if g.generated]
-        return ready[0].group_id if ready else None
+        must = next((g for g in open_groups if self.gate.must_include(g.version, version)), None)
+        if must is not None and must.generated:
+            return must.group_id
+        ready = next((g for g in open_groups if g.generated), None)
+        if must is None and ready is not None and self._feasible(ready, version, chosen, engine_version, open_groups):
+            return ready.group_id
+        blocking = must or next((g for g in open_groups if not g.generated), None)
+        if blocking is not None and blocking.group_id not in self._waited:
+            self._waited.add(blocking.group_id)
+            self.stale_waits += 1
+        return None
+
+    def _feasible(
+        self, take: GroupRecord, version: int, chosen: int, engine_version: int, open_groups: list[GroupRecord]
+    ) -> bool:
+        """After taking ``take``, can every deadline ``d`` in ``(v, v + η)`` still be met?
+
+        (Deadline ``v`` is the must-include rule; ``v + η`` and later always fit, by the
+        admission bound.)"""
+        eta, per_step = self.gate.max_staleness, self.gate.groups_per_step
+        for deadline in range(version + 1, version + eta):
+            newest = deadline - eta  # groups of version <= newest must be trained by `deadline`
+            due = sum(1 for g in open_groups if g.version <= newest and g is not take)
+            if engine_version <= newest:  # admission can still add groups of that version
+                due += self.capacity(engine_version)
+            slots = (deadline - version + 1) * per_step - chosen - 1
+            if due > slots:
+                return False
+        return True
 
     def choose(self, group_id: int) -> None:
         self._expect(group_id, GroupState.OPEN).state = GroupState.CHOSEN
@@ -117,7 +142,7 @@ class GroupLedger:
         count = 0
         for g in self.groups.values():
             if g.state is GroupState.OPEN:
-                g.state = GroupState.DISCARDED
+                g.state, g.discard_reason = GroupState.DISCARDED, reason
                 self.discards[reason] += g.num_samples if g.generated else 0
                 self.discards[f"{reason}_groups"] += 1
                 count += 1

@@ -88,8 +88,8 @@ class LocalPipeline(_Pipeline):
     async def begin_step(self) -> None:
         await self._in_trainer(self.trainer.begin_step)
 
-    async def train_group(self, group_id: int) -> None:
-        await self._in_trainer(self.trainer.add_group, group_id)
+    async def train_groups(self, group_ids: list[int]) -> None:
+        await self._in_trainer(self.trainer.add_groups, group_ids)
 
     async def finish_step(self) -> dict[str, float]:
         return await self._in_trainer(self.trainer.finish_step)
@@ -112,9 +112,9 @@ class LocalPipeline(_Pipeline):
     async def save(self, path: str) -> None:
         await self._in_trainer(self.trainer.save, path)
 
-    async def weights(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(trainer weights, engine weights), for tests."""
-        return self.trainer.weights_state(), self.rollout_worker.weights_state()
+    async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
+        """((trainer version, checksum), (engine version, checksum))."""
+        return self.trainer.weights_fingerprint(), self.rollout_worker.weights_fingerprint()
 
     def close(self) -> None:
         self.queue.close()
@@ -152,8 +152,8 @@ class RayPipeline(_Pipeline):
     async def begin_step(self) -> None:
         await self.trainer_actor.begin_step.remote()
 
-    async def train_group(self, group_id: int) -> None:
-        await self.trainer_actor.add_group.remote(group_id)
+    async def train_groups(self, group_ids: list[int]) -> None:
+        await self.trainer_actor.add_groups.remote(group_ids)
 
     async def finish_step(self) -> dict[str, float]:
         return await self.trainer_actor.finish_step.remote()
@@ -177,10 +177,12 @@ class RayPipeline(_Pipeline):
     async def save(self, path: str) -> None:
         await self.trainer_actor.save.remote(path)
 
-    async def weights(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return tuple(  # type: ignore[return-value]
-            await asyncio.gather(self.trainer_actor.weights_state.remote(), self.rollout_actor.weights_state.remote())
+    async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
+        """((trainer version, checksum), (engine version, checksum)), each from its own actor."""
+        trainer, engine = await asyncio.gather(
+            self.trainer_actor.weights_fingerprint.remote(), self.rollout_actor.weights_fingerprint.remote()
         )
+        return trainer, engine
 
     def close(self) -> None:
         import ray

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 
 class ModelPathError(ValueError):
@@ -44,6 +45,7 @@ def load_tokenizer(path: str | Path) -> Any:
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     p = check_model_dir(path)
+    hf_logging.disable_progress_bar()  # per-load bars would flood the run's log
     try:
         model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as err:

@@ -43,6 +43,7 @@ class HFTrainEngine:
             norm is still reported).
         temperature: sampling temperature the training log-probs are computed under.
         forward_token_budget: tokens per forward pass in ``logprobs``.
+        padded_token_budget: padded positions (rows × longest row) per forward in training.
     """
 
     def __init__(
@@ -54,11 +55,13 @@ class HFTrainEngine:
         grad_clip: float | None = 1.0,
         temperature: float = 1.0,
         forward_token_budget: int = 16384,
+        padded_token_budget: int = 2048,
     ) -> None:
         self.model = model
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.forward_token_budget = forward_token_budget
+        self.padded_token_budget = padded_token_budget
         self.device = next(model.parameters()).device
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=betas, weight_decay=weight_decay)
@@ -107,14 +110,20 @@ class HFTrainEngine:
         self._totals: dict[str, float] = defaultdict(float)
 
     def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
-        """Forward + backward one micro-batch as soon as it is ready (gradients add up)."""
-        out = algorithm.loss(self._loss_inputs(mb))
-        out.loss.backward()
-        self._totals["loss"] += float(out.loss.detach())
+        """Forward + backward one micro-batch as soon as it is ready (gradients add up).
+
+        Inside the micro-batch, samples are sorted by length and run in padded chunks of at most
+        ``padded_token_budget`` positions, so a long-tailed batch is not padded to its longest
+        row. The chunking depends only on the micro-batch, so it is deterministic.
+        """
+        for part in length_buckets(mb, self.padded_token_budget):
+            out = algorithm.loss(self._loss_inputs(part))
+            out.loss.backward()
+            self._totals["loss"] += float(out.loss.detach())
+            for key, value in out.stats.items():
+                self._totals[key] += value
         self._totals["micro_batches"] += 1.0
         self._totals["samples"] += float(len(mb.samples))
-        for key, value in out.stats.items():
-            self._totals[key] += value
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale the accumulated gradients (``1 / normaliser`` when micro-batches were summed
@@ -193,6 +202,28 @@ class HFTrainEngine:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in batch.items()}
+
+
+def length_buckets(mb: MicroBatch, padded_token_budget: int) -> list[MicroBatch]:
+    """Split ``mb`` into length-sorted parts of at most ``padded_token_budget`` padded positions
+    (a row longer than the budget goes alone); parts share the micro-batch's normaliser."""
+    order = sorted(range(len(mb.samples)), key=lambda i: (mb.samples[i].num_tokens, i))
+    parts: list[list[int]] = []
+    for i in order:
+        longest = mb.samples[i].num_tokens  # ascending, so the newest row is the longest
+        if parts and (len(parts[-1]) + 1) * longest <= padded_token_budget:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return [
+        MicroBatch(
+            samples=tuple(mb.samples[i] for i in part),
+            advantages=tuple(mb.advantages[i] for i in part),
+            prox_logprobs=tuple(mb.prox_logprobs[i] for i in part),
+            normaliser=mb.normaliser,
+        )
+        for part in parts
+    ]
 
 
 def _flatten(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:

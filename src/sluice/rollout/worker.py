@@ -112,8 +112,9 @@ class RolloutWorker:
     def engine_stats(self) -> dict[str, float]:
         return self.engine.stats()
 
-    def weights_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}
+    def weights_fingerprint(self) -> tuple[int, float]:
+        """(version the engine holds, float64 sum of its parameters)."""
+        return self.engine.version, self.engine.weights_checksum()
 
     def drain_trace(self) -> list[dict[str, Any]]:
         return self.tracer.drain()

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
 from sluice.tasks.spec import TaskSpec, eval_rows
 from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 from sluice.tasks.warm_start import sft_warm_start
@@ -31,6 +33,7 @@ def base_model_dir(task: TaskSpec, cache_dir: str | Path, seed: int, eval_count:
     recipe = {
         "v": _RECIPE_VERSION,
         "task": task.name,
+        "revision": task.revision,
         "alphabet": task.alphabet,
         "model": asdict(task.model),
         "sft": asdict(task.sft),
@@ -75,6 +78,7 @@ def ensure_base_model(
         seed=seed + 7,
         on_step=on_step,
     )
+    hf_logging.disable_progress_bar()
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)

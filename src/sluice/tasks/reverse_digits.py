@@ -24,7 +24,7 @@ SHORT_SHARE = 0.7
 SHORT_LENGTHS = (3, 6)
 LONG_LENGTHS = (10, 26)
 DISTRACTOR = "-"
-NOISE_LOW_DIGIT = 0.6
+NOISE_LOW_DIGIT = 0.7
 """Share of demonstrations with the distractor when the answer starts with a digit below 7."""
 NOISE_HIGH_DIGIT = 0.3
 """Share of demonstrations with the distractor when the answer starts with 7, 8 or 9."""
@@ -62,5 +62,6 @@ REVERSE_DIGITS = TaskSpec(
         max_position_embeddings=128,
     ),
     sft=SftRecipe(steps=300, batch_size=64, lr=2e-3, warmup_steps=20),
+    revision=2,
     description="reverse a digit string; long-tailed lengths; noisy SFT demonstrations",
 )

@@ -43,6 +43,8 @@ class TaskSpec:
     model: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)
     sft: SftRecipe = field(default_factory=lambda: SftRecipe(steps=150, batch_size=64, lr=1e-3))
     eval_seed: int = 12345
+    revision: int = 1
+    """Bump whenever ``make_row`` / ``demonstrate`` change: it keys the cached base model."""
     description: str = ""
 
 

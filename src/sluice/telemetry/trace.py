@@ -298,3 +298,13 @@ def trace_summary(events: Iterable[dict[str, Any]], trainer_process: str = "trai
 
 def _fraction(part: float, whole: float) -> float:
     return part / whole if whole > 0 else 0.0  # an empty or instantaneous trace has nothing idle
+
+
+def trace_numbers(events: Iterable[dict[str, Any]]) -> dict[str, float | None]:
+    """The headline numbers of a run's trace, for ``metrics.jsonl`` and benchmarks."""
+    summary = trace_summary(events)
+    return {
+        "wall_s": summary["wall_s"],
+        "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
+        "generate_train_overlap_fraction": summary.get("generate_train_overlap_fraction"),
+    }

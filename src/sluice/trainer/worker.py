@@ -60,15 +60,17 @@ class TrainerWorker:
         self._timing = {"wait_data_s": 0.0, "first_microbatch_at": 0.0}
         self.engine.begin_step()
 
-    def add_group(self, group_id: int) -> None:
-        """Read one group's rows (waiting until they are ready) and train every completed micro-batch."""
+    def add_groups(self, group_ids: list[int]) -> None:
+        """Read these groups' rows (one queue read, waiting until they are ready), then train every
+        micro-batch they complete; samples enter in the given group order."""
         assert self._step is not None, "begin_step first"
         start = time.perf_counter()
-        with self.tracer.span("wait_data", lane="trainer", group=group_id):
-            rows = group_rows(group_id, self.group_size)
+        with self.tracer.span("wait_data", lane="trainer", groups=len(group_ids)):
+            rows = [i for gid in group_ids for i in group_rows(gid, self.group_size)]
             batch = self.queue.get(TRAIN_TASK, SAMPLE_COLUMNS, len(rows), indices=rows, min_size=len(rows))
         self._timing["wait_data_s"] += time.perf_counter() - start
-        samples = rows_to_samples(batch)
+        position = {gid: k for k, gid in enumerate(group_ids)}
+        samples = sorted(rows_to_samples(batch), key=lambda s: position[s.group_id])
         for mb in self._step.add(samples, self.algorithm.advantages(samples)):
             self._accumulate(mb)
 
@@ -86,8 +88,10 @@ class TrainerWorker:
         self._step = None
         return {**metrics, **self._timing, "trained_tokens": float(trained), "version": float(self.version)}
 
-    def weights_state(self) -> dict[str, torch.Tensor]:
-        return self.engine.export_weights()
+    def weights_fingerprint(self) -> tuple[int, float]:
+        """(version, float64 sum of every parameter): compared with the engines' after a sync."""
+        with torch.no_grad():
+            return self.version, float(sum(p.double().sum() for p in self.engine.model.parameters()))
 
     def save(self, path: str) -> None:
         self.engine.save(path)
