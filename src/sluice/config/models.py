@@ -121,8 +121,12 @@ class RunConfig(_Section):
     ray_address: str | None = None
     """Ray cluster to join (``ray start --head`` prints it); ``null`` starts a local instance."""
 
-    actor_threads: int = Field(default=1, ge=1)
-    """torch threads of each rollout / trainer actor (their sum must not exceed the cores)."""
+    rollout_threads: int = Field(default=1, ge=1)
+    """torch threads of the rollout worker (decoding tiny models is overhead-bound: 1 is best)."""
+
+    trainer_threads: int = Field(default=1, ge=1)
+    """torch threads of the trainer worker. Threads summed over workers should not exceed the
+    cores; above that, workers use OpenMP's passive wait so they yield cores to each other."""
 
     trace: bool = True
     """Record a timeline of every worker's spans to ``trace.json`` in the run directory

@@ -34,7 +34,8 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         weight_update=cfg.rollout.weight_update,
         group_filter=FILTERS[cfg.rollout.filter_groups],
-        actor_threads=cfg.run.actor_threads,
+        rollout_threads=cfg.run.rollout_threads,
+        trainer_threads=cfg.run.trainer_threads,
         trace=cfg.run.trace,
     )
 

@@ -45,7 +45,8 @@ class PipelineSpec:
     micro_batch_tokens: int
     weight_update: str
     group_filter: GroupFilter | None = None
-    actor_threads: int = 1
+    rollout_threads: int = 1
+    trainer_threads: int = 1
     trace: bool = True
 
 
@@ -137,11 +138,10 @@ class RayPipeline(_Pipeline):
         ensure_ray(address)
         self.queue = RayQueue.create(num_storage_units=1, tasks={TRAIN_TASK: SAMPLE_COLUMNS})
         self.weight_sync = ObjectStoreWeightSync(name=f"sluice-weights-{os.getpid()}-{id(self)}")
-        env = {"OMP_NUM_THREADS": str(spec.actor_threads), "TOKENIZERS_PARALLELISM": "false"}
-        options: Any = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
-        rollout_cls: Any = ray.remote(RolloutWorker).options(**options)
+        over = spec.rollout_threads + spec.trainer_threads > (os.cpu_count() or 1)
+        rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over))
         self.rollout_actor = rollout_cls.remote(**_rollout_kwargs(spec, self.queue.as_async()))
-        trainer_cls: Any = ray.remote(TrainerWorker).options(**options)
+        trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over))
         self.trainer_actor = trainer_cls.remote(**_trainer_kwargs(spec, self.queue, self.weight_sync))
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
@@ -202,7 +202,7 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "run_seed": spec.run_seed,
         "max_batch": spec.max_batch,
         "group_filter": spec.group_filter,
-        "threads": spec.actor_threads,
+        "threads": spec.rollout_threads,
         "trace": spec.trace,
     }
 
@@ -216,9 +216,17 @@ def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any) -> dict[st
         "group_size": spec.group_size,
         "micro_batch_tokens": spec.micro_batch_tokens,
         "engine_kwargs": spec.engine_kwargs,
-        "threads": spec.actor_threads,
+        "threads": spec.trainer_threads,
         "trace": spec.trace,
     }
+
+
+def _actor_options(threads: int, oversubscribed: bool) -> dict[str, Any]:
+    """One CPU per actor for Ray's bookkeeping; the real thread count goes to OpenMP."""
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if oversubscribed:  # spinning OpenMP workers would steal cores from the other actor
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return {"num_cpus": 1, "runtime_env": {"env_vars": env}}
 
 
 def ensure_ray(address: str | None) -> None:
