@@ -33,7 +33,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy src/sluice/api src/sluice/controller src/sluice/trainer
+	$(BIN)/mypy src/sluice/api src/sluice/controller src/sluice/trainer src/sluice/queue
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
