@@ -72,7 +72,13 @@ class HFInferenceEngine:
     """Continuous-batching generation with a Hugging Face causal LM (see the module docstring)."""
 
     def __init__(
-        self, model: PreTrainedModel, *, max_batch: int = 256, version: int = 0, device: str | None = None
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch: int = 256,
+        version: int = 0,
+        device: str | None = None,
+        admit_fraction: float = 0.25,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -81,6 +87,7 @@ class HFInferenceEngine:
         self.model = model.eval()
         self.device = next(self.model.parameters()).device
         self.max_batch = max_batch
+        self._admit_batch = max(1, int(max_batch * admit_fraction))
         self.version = version
         self._waiting: deque[_Seq] = deque()
         self._rows: Rows | None = None
@@ -248,8 +255,14 @@ class HFInferenceEngine:
         self._counts["reprefill_tokens"] += computed
 
     def _admit(self) -> None:
-        free = self.max_batch - (len(self._rows.seqs) if self._rows is not None else 0)
+        """Admit waiting requests into free slots, in batches: merging new rows into the running
+        cache copies it, so admission waits until a quarter of the slots (or every waiting
+        request) fits, unless nothing is running. Step-driven, so still deterministic."""
+        running = len(self._rows.seqs) if self._rows is not None else 0
+        free = self.max_batch - running
         if free <= 0 or not self._waiting:
+            return
+        if running and free < min(len(self._waiting), self._admit_batch):
             return
         new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         cache, mask, logits, computed = prefill(self.model, [s.request.prompt_ids for s in new])
