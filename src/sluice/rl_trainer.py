@@ -77,6 +77,7 @@ class RLTrainer:
         self._engines_ready = False
         self._data_ready = False
         self.loop_seconds = 0.0
+        self.last_sync_s = 0.0
         self.rollout_tracer = SpanRecorder("rollout", enabled=config.run.trace)
         self.trainer_tracer = SpanRecorder("trainer", enabled=config.run.trace)
         torch.set_num_threads(config.run.threads or os.cpu_count() or 1)
@@ -149,8 +150,10 @@ class RLTrainer:
 
     def sync_actor_model(self) -> None:
         """Push the trainer's weights to the inference engine, tagged with the current version."""
+        started = time.monotonic()
         with self.rollout_tracer.span("weight_sync", lane="weights", version=self.version):
             self.engine.update_weights(self.train_engine.export_weights(), self.version)
+        self.last_sync_s = time.monotonic() - started  # fully exposed: nothing else runs meanwhile
 
     # -- loop steps (driven by controller.sync_loop) --------------------------------------------
 
@@ -231,7 +234,12 @@ class RLTrainer:
         base = self.log_eval(self.evaluate())
 
         def after_step(version: int, batch: list[Sample], metrics: dict[str, float]) -> bool:
-            stats = {**group_stats(batch), "trained_tokens": float(sum(len(s.response_ids) for s in batch))}
+            stats = {
+                **group_stats(batch),
+                "trained_tokens": float(sum(len(s.response_ids) for s in batch)),
+                "weight_sync_s": self.last_sync_s,
+                "exposed_weight_sync_s": self.last_sync_s,
+            }
             if self.eval_due(version):
                 self.log_eval(self.evaluate(), version)
             return self.after_step(version, stats, metrics)

@@ -81,6 +81,7 @@ def test_eta0_streaming_reproduces_sync_bit_for_bit(model_dir, tmp_path, backend
     assert weights["engine_version"] == weights["trainer_version"] == 3
     assert weights["engine_checksum"] == weights["trainer_checksum"]
     assert all(r["step"] - 1 <= r["engine_version"] <= r["step"] for r in trains)  # sync runs in the background
+    assert all(r["exposed_weight_sync_s"] >= 0 for r in trains[1:])
     fates = next(r for r in async_records if r["kind"] == "fates")
     assert fates["groups_trained"] == 3 * 4
     assert (tmp_path / f"async-{backend}" / "trace.json").is_file()

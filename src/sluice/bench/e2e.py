@@ -3,8 +3,9 @@
 Four full runs of the same config in one process, differing only in the pipeline: ``sync``;
 streaming at η = 0 (overlap inside a step only: the queue's own gain, AsyncFlow's ablation);
 η = 1; η = 4. Each row reports **trained** response tokens per second of training loop (tokens
-generated but never trained do not count), loop wall time, the trainer's idle fraction and the
-realised staleness histogram (from the run's trace and ledger), and final held-out accuracy.
+generated but never trained do not count), loop wall time, the trainer's idle fraction, the
+exposed weight-sync time (seconds generation or training waited for weights), the realised
+staleness histogram (from the run's trace and ledger), and final held-out accuracy.
 Prints a table and writes JSON. It measures; it asserts nothing.
 """
 
@@ -63,6 +64,7 @@ def _row(name: str, result: Any) -> dict[str, Any]:
         "loop_s": round(result.loop_seconds, 2),
         "trained_tokens_per_s": round(trained / max(result.loop_seconds, 1e-9), 1),
         "trainer_idle_fraction": trace.get("trainer_idle_fraction"),
+        "exposed_weight_sync_s": round(sum(r.get("exposed_weight_sync_s", 0.0) for r in train), 3),
         "staleness": staleness or {"0": float(len(train))},
         "base_accuracy": result.base_accuracy,
         "final_accuracy": result.final_accuracy,
@@ -73,7 +75,8 @@ def _row(name: str, result: Any) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["trained_tokens_per_s"] if rows else 1.0
     head = (
-        f"{'variant':<11} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5}  {'staleness':<22} {'acc':>11}"
+        f"{'variant':<11} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6}  "
+        f"{'staleness':<22} {'acc':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -82,7 +85,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         acc = f"{100 * r['base_accuracy']:.1f}→{100 * r['final_accuracy']:.1f}"
         lines.append(
             f"{r['variant']:<11} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
-            f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5}  {hist:<22} {acc:>11}"
+            f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5} "
+            f"{r['exposed_weight_sync_s']:>6.2f}  {hist:<22} {acc:>11}"
         )
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ trainer directly. At η = 0 it performs exactly the sync loop's computation.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -62,6 +63,8 @@ class AsyncController:
         self._news = asyncio.Event()
         self._rollouts: set[asyncio.Task[None]] = set()
         self._sync: asyncio.Task[None] | None = None
+        self.sync_metrics: dict[str, float] = {}
+        """Timings of the most recent completed weight sync."""
         self._failure: BaseException | None = None
 
     async def run(self, steps: int, after_step: StepCallback) -> None:
@@ -135,7 +138,14 @@ class AsyncController:
             self._news.set()
 
     async def _sync_weights(self, version: int) -> None:
-        self.sync_metrics = await self.pipeline.sync_weights(version)
+        """Engines load ``version``. Exposed time: the worker's fetch + load (generation stalls
+        for it), or the whole sync when admission had no credit left at the old version."""
+        starved = self.ledger.capacity(self.pipeline.engine_version) == 0
+        started = time.monotonic()
+        metrics = await self.pipeline.sync_weights(version)
+        took = time.monotonic() - started
+        stalled = metrics.get("weight_fetch_s", 0.0) + metrics.get("weight_load_s", 0.0)
+        self.sync_metrics = {**metrics, "weight_sync_s": took, "exposed_weight_sync_s": took if starved else stalled}
         self._admit()  # the engines hold `version`: the gate opens for it
 
     async def _await_sync(self) -> None:

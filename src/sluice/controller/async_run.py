@@ -110,6 +110,7 @@ def step_stats(
         "staleness_mean": sum(staleness) / max(len(staleness), 1),
         "engine_version": float(controller.pipeline.engine_version),
         "trained_before_generated": float(0 < first_trained < last_generated),
+        **controller.sync_metrics,
     }
 
 
