@@ -85,3 +85,23 @@ def test_eta0_streaming_reproduces_sync_bit_for_bit(model_dir, tmp_path, backend
     fates = next(r for r in async_records if r["kind"] == "fates")
     assert fates["groups_trained"] == 3 * 4
     assert (tmp_path / f"async-{backend}" / "trace.json").is_file()
+
+
+@pytest.mark.parametrize("mode", ["interrupt", "defer"])
+def test_eta1_weight_update_modes_keep_the_bound(model_dir, tmp_path, mode):
+    records, _ = _run(
+        model_dir, tmp_path, f"eta1-{mode}", "run.mode=async", "run.backend=local", "rollout.max_staleness=1",
+        f"rollout.weight_update={mode}", "rollout.max_batch=8",
+    )  # fmt: skip
+    trains = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == [1, 2, 3]
+    assert all(r["staleness_max"] <= 1 for r in trains)
+    weights = next(r for r in records if r["kind"] == "weights")
+    assert weights["engine_version"] == weights["trainer_version"] == 3
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
+    assert weights["engine_weight_updates"] == 3
+    if mode == "defer":  # updates waited for running sequences to drain
+        assert weights["engine_weight_drain_s"] >= 0
+    fates = next(r for r in records if r["kind"] == "fates")
+    assert fates["groups_trained"] == 12
+    assert sum(v for k, v in fates.items() if k.startswith("staleness_")) == 12

@@ -19,6 +19,8 @@ from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
+ENGINE_SYNC_STATS = ("weight_updates", "weight_updates_superseded", "weight_drain_s", "reprefill_tokens")
+
 
 def pipeline_spec(trainer: Any) -> PipelineSpec:
     cfg = trainer.config
@@ -67,12 +69,14 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
         await controller.run(cfg.run.steps, after_step)
         trainer.loop_seconds = time.monotonic() - started
         (t_version, t_sum), (e_version, e_sum) = await pipeline.fingerprints()
+        engine = await pipeline.engine_stats()
         trainer.metrics.log(
             "weights",
             trainer_version=t_version,
             trainer_checksum=t_sum,
             engine_version=e_version,
             engine_checksum=e_sum,
+            **{f"engine_{k}": engine[k] for k in ENGINE_SYNC_STATS if k in engine},
         )
         if cfg.run.trace:
             events = await pipeline.trace_events()
