@@ -96,6 +96,11 @@ class FakeTrainEngine:
 class FakeAlgorithm:
     """Advantage = reward for every token; loss = 0 with a token count."""
 
+    whole_batch_advantages = False
+
+    def normaliser(self, samples: Sequence[Sample]) -> float:
+        return float(max(sum(sum(s.loss_mask) for s in samples), 1))
+
     def advantages(self, samples: Sequence[Sample]) -> list[list[float]]:
         return [[s.reward] * len(s.response_ids) for s in samples]
 

@@ -102,7 +102,15 @@ class RLTrainer:
         if in_process and train:
             self.train_engine = HFTrainEngine(load_causal_lm(self.model_dir), **self.train_engine_kwargs)
         self.algorithm = GRPOAlgorithm(
-            estimator=cfg.trainer.algorithm, clip_low=cfg.trainer.clip_low, clip_high=cfg.trainer.clip_high
+            estimator=cfg.trainer.algorithm,
+            clip_low=cfg.trainer.clip_low,
+            clip_high=cfg.trainer.clip_high,
+            policy_loss=cfg.trainer.policy_loss,
+            loss_agg_mode=cfg.trainer.loss_agg_mode,
+            dual_clip_c=cfg.trainer.dual_clip_c,
+            behav_weight_cap=cfg.trainer.tis_cap,
+            tis_mode=cfg.trainer.tis_mode,
+            tis_level=cfg.trainer.tis_level,
         )
         self.params = SamplingParams(
             max_new_tokens=self.max_new_tokens,
@@ -176,7 +184,7 @@ class RLTrainer:
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
         with self.trainer_tracer.span("train_step", lane="trainer", samples=len(samples)):
             plan = plan_step(samples, self.algorithm, self.config.trainer.micro_batch_tokens)
-            metrics = run_step(self.train_engine, plan, self.algorithm, step_normaliser(samples))
+            metrics = run_step(self.train_engine, plan, self.algorithm, step_normaliser(samples, self.algorithm))
         self.version += 1
         return metrics
 

@@ -45,9 +45,11 @@ def test_group_of_one_is_zero_and_bad_shape_rejected() -> None:
 
 
 def test_registry_has_both_estimators() -> None:
-    rewards = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
-    assert torch.allclose(ADVANTAGE_ESTIMATORS["dr_grpo"](rewards, 1e-6), rewards - 0.5)
-    assert torch.allclose(ADVANTAGE_ESTIMATORS["grpo"](rewards, 1e-6), (rewards - 0.5) / (0.5 + 1e-6))
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    groups, tokens = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.float64)
+    assert torch.allclose(ADVANTAGE_ESTIMATORS["dr_grpo"](rewards, groups, tokens, 1e-6), rewards - 0.5)
+    grpo = ADVANTAGE_ESTIMATORS["grpo"](rewards, groups, tokens, 1e-6)
+    assert torch.allclose(grpo, (rewards - 0.5) / (0.5 + 1e-6))
 
 
 def _sample(uid: str, group_id: int, reward: float, n_resp: int) -> Sample:

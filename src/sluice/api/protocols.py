@@ -78,12 +78,21 @@ class TrainEngine(Protocol):
 class Algorithm(Protocol):
     """An advantage estimator plus a policy loss, composed over three policies (DESIGN.md)."""
 
+    whole_batch_advantages: bool
+    """True when advantages depend on the whole step (global whitening): a streaming trainer
+    then holds the step's samples until the last group has arrived."""
+
     def advantages(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Per-response-token advantages, aligned with ``samples``."""
         ...
 
     def loss(self, inputs: LossInputs) -> LossOutputs:
         """The policy loss of one micro-batch, normalised by ``inputs.normaliser``."""
+        ...
+
+    def normaliser(self, samples: Sequence[Sample]) -> float:
+        """The step-wide loss denominator of these samples (the loss's aggregation mode decides:
+        loss tokens for token-mean, sequences for the seq-mean modes)."""
         ...
 
 

@@ -94,7 +94,9 @@ class LossInputs:
     """Per-token tensors of one micro-batch, all ``[tokens]`` (flattened, response tokens only).
 
     ``normaliser`` is the step-wide denominator (e.g. the number of loss tokens in the whole
-    global batch), so micro-batch losses add up to the full-batch loss.
+    global batch), so micro-batch losses add up to the full-batch loss. ``seq_lengths``
+    ``[seqs]`` gives the sequence boundaries (response tokens per sample, in order) that
+    sequence-level losses and aggregation modes need; ``None`` when unknown.
     """
 
     logp: torch.Tensor
@@ -103,6 +105,7 @@ class LossInputs:
     advantages: torch.Tensor
     mask: torch.Tensor
     normaliser: float
+    seq_lengths: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

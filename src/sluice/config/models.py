@@ -75,8 +75,35 @@ class RolloutConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    algorithm: Literal["grpo", "dr_grpo"] = "grpo"
-    """Advantage estimator: GRPO (group mean and std) or Dr.GRPO (group mean only)."""
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """Advantage estimator: ``grpo`` (group mean and std), ``dr_grpo`` (group mean only), ``rloo``
+    (leave-one-out group mean), ``reinforce_pp`` (REINFORCE++: rewards whitened over the global
+    batch's loss tokens), ``reinforce_pp_baseline`` (group mean subtracted, then whitened)."""
+
+    policy_loss: Literal["ppo_clip", "cispo", "gspo", "topr"] = "ppo_clip"
+    """Policy loss, each times the behaviour weight ``π_prox / π_behav``: ``ppo_clip`` (decoupled
+    PPO), ``cispo`` (clipped IS weight, REINFORCE-style), ``gspo`` (sequence-level ratio, clipped),
+    ``topr`` (no IS weight on positive advantages, ``clamp(ratio, 0, 1)`` on the others)."""
+
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses become the step's loss (verl's names): mean over the step's loss
+    tokens, or mean over its sequences of each sequence's token sum / token mean."""
+
+    dual_clip_c: float | None = Field(default=None, gt=1.0)
+    """PPO dual clip: for negative advantages the loss is bounded by ``c · |A|`` (``ppo_clip``
+    only; ``null`` disables; typical 3)."""
+
+    tis_cap: float | None = Field(default=None, gt=0.0)
+    """Truncated importance sampling: cap on the behaviour weight ``π_prox / π_behav``
+    (``null``: untruncated)."""
+
+    tis_mode: Literal["cap", "mask"] = "cap"
+    """What ``tis_cap`` does to a weight above it: ``cap`` clamps it to the cap, ``mask`` drops
+    the token (or sequence) from the loss (it still counts in the normaliser)."""
+
+    tis_level: Literal["token", "sequence"] = "token"
+    """Granularity of the behaviour weight: per token, or one per sequence
+    (``exp(Σ_t (log π_prox − log π_behav))``)."""
 
     lr: float = Field(default=1e-4, gt=0.0)
     """Adam learning rate."""
@@ -91,10 +118,10 @@ class TrainerConfig(_Section):
     """Global gradient-norm clip."""
 
     clip_low: float = Field(default=0.2, ge=0.0)
-    """PPO ratio clip below 1 (``1 - clip_low``)."""
+    """Ratio clip below 1 (``1 - clip_low``): PPO and GSPO ratio, CISPO's IS weight."""
 
     clip_high: float = Field(default=0.2, ge=0.0)
-    """PPO ratio clip above 1 (``1 + clip_high``; raise it for DAPO clip-higher)."""
+    """Ratio clip above 1 (``1 + clip_high``; raise it for DAPO clip-higher)."""
 
     micro_batch_tokens: int = Field(default=2048, ge=1)
     """Token budget (prompt + response) of one micro-batch; gradients accumulate across them

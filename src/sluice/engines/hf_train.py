@@ -187,6 +187,7 @@ class HFTrainEngine:
             advantages=advantages,
             mask=batch["loss_mask"],
             normaliser=mb.normaliser,
+            seq_lengths=batch["response_lengths"],
         )
 
     def _response_logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:

@@ -1,34 +1,42 @@
-"""GRPO-family algorithm: group-relative advantages plus the decoupled PPO-clip loss.
+"""Critic-free policy-gradient algorithm: an advantage estimator plus a policy loss, by name.
 
-Role: implements the ``Algorithm`` Protocol (``api/protocols.py``) by composing an advantage
-estimator from ``trainer/algos`` (looked up by name in ``ADVANTAGE_ESTIMATORS``) with
-``trainer/losses.ppo_clip_loss``. ``advantages`` groups samples by ``group_id`` (groups may
-be of unequal size, e.g. after a filter), computes one scalar per sample from
-``sample.reward`` and broadcasts it to every response token.
+Role: implements the ``Algorithm`` Protocol (``api/protocols.py``) by composing an estimator
+from ``trainer/algos`` (``ADVANTAGE_ESTIMATORS``: GRPO, Dr.GRPO, RLOO, REINFORCE++ and its
+baseline variant) with a loss from ``trainer/losses`` (``POLICY_LOSSES``: decoupled PPO-clip,
+CISPO, GSPO, TOPR), a truncated-IS behaviour weight and an aggregation mode. ``advantages``
+groups samples by ``group_id`` (groups may be of unequal size, e.g. after a filter), computes
+one scalar per sample from ``sample.reward`` and broadcasts it to every response token;
+``normaliser`` is the step-wide denominator the aggregation mode asks for.
 
-Deliberately not here: global-batch advantage normalisation, critics / GAE, KL-to-reference
-terms, and anything that touches a model or an engine.
+Deliberately not here: critics / GAE with values, KL-to-reference terms, PPO mini-batches, and
+anything that touches a model or an engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from sluice.api.types import LossInputs, LossOutputs, Sample
-from sluice.trainer.algos import ADVANTAGE_ESTIMATORS
-from sluice.trainer.losses import ppo_clip_loss
+from sluice.trainer.algos import ADVANTAGE_ESTIMATORS, NEEDS_VALUES, WHOLE_BATCH_ESTIMATORS
+from sluice.trainer.losses import AGG_MODES, CLIPPED_LOSSES, POLICY_LOSSES, agg_normaliser
 
 
 class GRPOAlgorithm:
-    """GRPO / Dr.GRPO advantages with (decoupled) PPO-clip.
+    """Group / batch baselines with a (decoupled) off-policy loss.
 
     Args:
-        estimator: a key of ``ADVANTAGE_ESTIMATORS`` (``"grpo"`` or ``"dr_grpo"``).
-        clip_low, clip_high: PPO ratio clip bounds ``[1 - clip_low, 1 + clip_high]``.
-        eps: added to the group std (GRPO).
-        behav_weight_cap: optional cap on the behaviour importance weight (see ``ppo_clip_loss``).
+        estimator: a key of ``ADVANTAGE_ESTIMATORS`` (not ``gae``: it needs a critic).
+        clip_low, clip_high: ratio clip ``[1 - clip_low, 1 + clip_high]`` (PPO, GSPO) or IS
+            weight clip (CISPO); unused by TOPR.
+        eps: added to the std (GRPO, REINFORCE++).
+        behav_weight_cap: optional TIS cap on the behaviour weight ``π_prox / π_behav``.
+        policy_loss: a key of ``POLICY_LOSSES``.
+        loss_agg_mode: ``token-mean``, ``seq-mean-token-sum`` or ``seq-mean-token-mean``.
+        dual_clip_c: PPO dual clip bound for negative advantages (``ppo_clip`` only).
+        tis_mode, tis_level: ``cap`` / ``mask`` and ``token`` / ``sequence`` for the TIS cap.
     """
 
     def __init__(
@@ -38,34 +46,56 @@ class GRPOAlgorithm:
         clip_high: float = 0.2,
         eps: float = 1e-6,
         behav_weight_cap: float | None = None,
+        policy_loss: str = "ppo_clip",
+        loss_agg_mode: str = "token-mean",
+        dual_clip_c: float | None = None,
+        tis_mode: str = "cap",
+        tis_level: str = "token",
     ) -> None:
+        if estimator in NEEDS_VALUES:
+            raise ValueError(f"estimator {estimator!r} needs a critic's values; sluice has no critic yet")
         if estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
+        if policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy_loss {policy_loss!r}; known: {sorted(POLICY_LOSSES)}")
+        if loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; known: {AGG_MODES}")
+        if dual_clip_c is not None and policy_loss != "ppo_clip":
+            raise ValueError("dual_clip_c applies to policy_loss 'ppo_clip' only")
         self.estimator = estimator
         self.clip_low = clip_low
         self.clip_high = clip_high
         self.eps = eps
         self.behav_weight_cap = behav_weight_cap
+        self.policy_loss = policy_loss
+        self.loss_agg_mode = loss_agg_mode
+        self.whole_batch_advantages = estimator in WHOLE_BATCH_ESTIMATORS
+        self._loss_kwargs: dict[str, Any] = {
+            "behav_weight_cap": behav_weight_cap,
+            "behav_cap_mode": tis_mode,
+            "behav_weight_level": tis_level,
+            "agg_mode": loss_agg_mode,
+        }
+        if policy_loss in CLIPPED_LOSSES:
+            self._loss_kwargs.update(clip_low=clip_low, clip_high=clip_high)
+        if dual_clip_c is not None:
+            self._loss_kwargs["dual_clip_c"] = dual_clip_c
 
     def advantages(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Per-response-token advantages aligned with ``samples`` (one constant per sample)."""
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(samples):
-            groups.setdefault(s.group_id, []).append(i)
-        estimate = ADVANTAGE_ESTIMATORS[self.estimator]
-        scalar = [0.0] * len(samples)
-        for members in groups.values():
-            rewards = torch.tensor([[samples[i].reward for i in members]], dtype=torch.float64)
-            values = estimate(rewards, self.eps)[0].tolist()
-            for i, value in zip(members, values, strict=True):
-                scalar[i] = value
+        if not samples:
+            return []
+        dense: dict[int, int] = {}
+        group_index = torch.tensor([dense.setdefault(s.group_id, len(dense)) for s in samples], dtype=torch.long)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        tokens = torch.tensor([sum(s.loss_mask) for s in samples], dtype=torch.float64)
+        scalar = ADVANTAGE_ESTIMATORS[self.estimator](rewards, group_index, tokens, self.eps).tolist()
         return [[scalar[i]] * len(s.response_ids) for i, s in enumerate(samples)]
 
     def loss(self, inputs: LossInputs) -> LossOutputs:
-        """Decoupled PPO-clip over one micro-batch (``[tokens]`` inputs), step-wide normalised."""
-        return ppo_clip_loss(
-            inputs,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            behav_weight_cap=self.behav_weight_cap,
-        )
+        """The configured policy loss over one micro-batch (``[tokens]`` inputs), step-wide normalised."""
+        return POLICY_LOSSES[self.policy_loss](inputs, **self._loss_kwargs)
+
+    def normaliser(self, samples: Sequence[Sample]) -> float:
+        """Step-wide denominator: loss tokens (token-mean) or non-empty sequences (seq-mean-*)."""
+        return agg_normaliser(self.loss_agg_mode, [s.loss_mask for s in samples])

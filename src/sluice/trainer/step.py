@@ -4,7 +4,8 @@ optimizer step over their summed gradients scaled by the step-wide normaliser.
 Micro-batches are cut in the samples' arrival order (``InOrderPacker``: a micro-batch closes
 when the next sample would overflow the token budget, so every cut depends only on samples
 already seen) and summed with normaliser 1; the gradient is scaled by ``1 / normaliser`` (the
-step's loss tokens) at the end, once the step's size is known. A streaming trainer fed the same
+step's loss tokens, or sequences for the seq-mean aggregation modes) at the end, once the
+step's size is known. A streaming trainer fed the same
 samples in the same order performs exactly the same floating-point operations as a
 whole-batch step, so streaming at η = 0 reproduces the sync loop bit for bit. This module does
 not run models itself; it drives a ``TrainEngine``.
@@ -26,8 +27,11 @@ class StreamingTrainEngine(Protocol):
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]: ...
 
 
-def step_normaliser(samples: Sequence[Sample]) -> float:
-    """Token-mean over the global batch: the number of loss tokens (at least 1)."""
+def step_normaliser(samples: Sequence[Sample], algorithm: Algorithm | None = None) -> float:
+    """The step-wide loss denominator: ``algorithm.normaliser`` (its aggregation mode decides),
+    or token-mean over the global batch (loss tokens, at least 1) without an algorithm."""
+    if algorithm is not None:
+        return algorithm.normaliser(samples)
     return float(max(sum(sum(s.loss_mask) for s in samples), 1))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from sluice.api import Algorithm, MicroBatch, QueueClient, WeightSync
+from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, WeightSync
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import SAMPLE_COLUMNS, group_rows, rows_to_samples
@@ -53,10 +53,12 @@ class TrainerWorker:
         self.tracer = SpanRecorder("trainer", enabled=trace)
         self.version = 0
         self._step: InOrderPacker | None = None
+        self._held: list[Sample] = []
         self._timing: dict[str, float] = {}
 
     def begin_step(self) -> None:
         self._step = InOrderPacker(self.micro_batch_tokens)
+        self._held = []
         self._timing = {"wait_data_s": 0.0, "first_microbatch_at": 0.0}
         self.engine.begin_step()
 
@@ -71,16 +73,22 @@ class TrainerWorker:
         self._timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
         samples = sorted(rows_to_samples(batch), key=lambda s: position[s.group_id])
+        if self.algorithm.whole_batch_advantages:  # global whitening: wait for the whole step
+            self._held.extend(samples)
+            return
         for mb in self._step.add(samples, self.algorithm.advantages(samples)):
             self._accumulate(mb)
 
     def finish_step(self) -> dict[str, float]:
         """Flush, scale by the step-wide normaliser, optimizer step, publish version ``v + 1``."""
         assert self._step is not None, "begin_step first"
+        held, self._held = self._held, []
+        for mb in self._step.add(held, self.algorithm.advantages(held)) if held else []:
+            self._accumulate(mb)
         for mb in self._step.flush():
             self._accumulate(mb)
         with self.tracer.span("optimizer_step", lane="trainer"):
-            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(self._step.samples))
+            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(self._step.samples, self.algorithm))
         self.version += 1
         with self.tracer.span("weight_publish", lane="trainer", version=self.version):
             self.weight_sync.publish(self.engine.export_weights(), self.version)

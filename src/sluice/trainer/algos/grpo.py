@@ -4,8 +4,9 @@ Role: turn a ``[groups, n]`` table of scalar sequence rewards into scalar sequen
 advantages, ``(r - group mean) / (group std + eps)`` (GRPO) or ``r - group mean``
 (Dr.GRPO, ``scale_by_std=False``). Pure tensor math, no ``Sample`` in sight.
 
-Deliberately not here: grouping samples by ``group_id``, broadcasting an advantage to
-response tokens (``trainer/algorithm.py``), global-batch normalisation, and any loss.
+Deliberately not here: grouping samples by ``group_id`` (``algos/__init__.per_group``),
+broadcasting an advantage to response tokens (``trainer/algorithm.py``), global-batch
+normalisation (``reinforce_pp.py``), and any loss.
 
 Std choice: the *population* std (``unbiased=False``, divide by n). It is defined for a
 group of one (advantage 0, where the unbiased std is NaN) and only differs from the
