@@ -1,0 +1,72 @@
+"""The streaming trainer worker equals a whole-batch step over the same samples, bit for bit,
+both for group-local advantages (streamed per group) and for REINFORCE++ (held until the step
+ends, because its whitening spans the whole batch)."""
+
+import random
+
+import pytest
+import torch
+
+from sluice.api import Sample
+from sluice.engines.hf_train import HFTrainEngine
+from sluice.queue import LocalQueue
+from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
+from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.step import plan_step, run_step, step_normaliser
+from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
+from sluice.weights import InProcessWeightSync
+from tiny import VOCAB, tiny_llama
+
+GROUP = 4
+
+
+def _groups(num_groups: int, seed: int = 0) -> list[list[Sample]]:
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        prompt = tuple(rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6)))
+        group = []
+        for k in range(GROUP):
+            n = rng.randint(1, 9)
+            group.append(
+                Sample(f"{g}-{k}", g, prompt, tuple(rng.randrange(1, VOCAB) for _ in range(n)),
+                       tuple(-rng.random() for _ in range(n)), (0,) * n, (1,) * n, float(rng.random() < 0.5))
+            )  # fmt: skip
+        groups.append(group)
+    return groups
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("worker_model")
+    tiny_llama(0).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp"])
+def test_streamed_groups_equal_the_whole_batch_step(model_dir, estimator):
+    groups = _groups(5)
+    queue = LocalQueue()
+    queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
+    for group in groups:
+        queue.put(*samples_to_rows(group, GROUP))
+    algorithm = GRPOAlgorithm(estimator=estimator)
+    sync = InProcessWeightSync()
+    worker = TrainerWorker(
+        model_dir, queue, algorithm, sync, group_size=GROUP, micro_batch_tokens=40, engine_kwargs={"lr": 1e-2}
+    )
+    worker.begin_step()
+    for chunk in ([0, 1], [2], [3, 4]):  # groups arrive in three hand-offs
+        worker.add_groups(chunk)
+    metrics = worker.finish_step()
+
+    reference = HFTrainEngine(tiny_llama(0), lr=1e-2)
+    samples = [s for g in groups for s in g]
+    plan = plan_step(samples, algorithm, 40)
+    expected = run_step(reference, plan, algorithm, step_normaliser(samples, algorithm))
+
+    assert metrics["loss"] == expected["loss"] and metrics["micro_batches"] == len(plan) > 1
+    published = sync.fetch(1)
+    for name, value in reference.export_weights().items():
+        assert torch.equal(published[name], value), name
+    assert queue.get(TRAIN_TASK, SAMPLE_COLUMNS, 1, timeout=0).indices == ()  # every row consumed once
