@@ -1,1 +1,2 @@
-"""The controller: the main loops of sluice (synchronous now; asynchronous with the staleness gate next)."""
+"""The controller: the main loops (``sync_loop``, ``async_loop``), the staleness gate, the group
+ledger, and worker placement (``pipelines``). Components never import it."""

@@ -1,1 +1,2 @@
-"""Rollout: workflows that turn prompts into scored samples, and held-out evaluation."""
+"""Rollout: the rollout worker, workflows that turn prompts into scored samples, dynamic group
+filters, and held-out evaluation."""
