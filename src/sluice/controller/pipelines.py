@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,14 +61,6 @@ class _Pipeline:
     def next_prompt(self) -> PromptItem:
         return self.prompts.take(1)[0]
 
-    async def _wait_engine_version(self, version: int) -> None:
-        """``defer`` swaps only after the running sequences drain: wait until it has."""
-        while (await self.engine_stats())["version"] < version:
-            await asyncio.sleep(WEIGHT_POLL_S)
-
-    async def engine_stats(self) -> dict[str, float]:
-        raise NotImplementedError
-
 
 class LocalPipeline(_Pipeline):
     """All workers in this process: rollout on the event loop, trainer in one worker thread."""
@@ -97,7 +89,7 @@ class LocalPipeline(_Pipeline):
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         metrics = self.rollout_worker.load_version(self.weight_sync, version, self.spec.weight_update)
-        await self._wait_engine_version(version)
+        await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
 
@@ -160,7 +152,7 @@ class RayPipeline(_Pipeline):
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         metrics = await self.rollout_actor.load_version.remote(self.weight_sync, version, self.spec.weight_update)
-        await self._wait_engine_version(version)
+        await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
 
@@ -190,6 +182,12 @@ class RayPipeline(_Pipeline):
         for handle in (self.rollout_actor, self.trainer_actor):
             ray.kill(handle)
         self.queue.shutdown()
+
+
+async def wait_engine_version(engine_stats: Callable[[], Awaitable[dict[str, float]]], version: int) -> None:
+    """``defer`` swaps only after the running sequences drain: wait until the engine holds ``version``."""
+    while (await engine_stats())["version"] < version:
+        await asyncio.sleep(WEIGHT_POLL_S)
 
 
 def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
