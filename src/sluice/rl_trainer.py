@@ -143,6 +143,7 @@ class RLTrainer:
 
     def send_experience_data(self, samples: Sequence[Sample]) -> None:
         """Hand scored samples to the trainer's side (in-process buffer in ``mode: sync``)."""
+        self._require_sync("send_experience_data")
         self._buffer.extend(samples)
 
     def recv_experience_data(self, num_groups: int) -> list[Sample]:
@@ -158,6 +159,7 @@ class RLTrainer:
 
     def sync_actor_model(self) -> None:
         """Push the trainer's weights to the inference engine, tagged with the current version."""
+        self._require_sync("sync_actor_model")
         started = time.monotonic()
         with self.rollout_tracer.span("weight_sync", lane="weights", version=self.version):
             self.engine.update_weights(self.train_engine.export_weights(), self.version)
@@ -288,6 +290,13 @@ class RLTrainer:
         by_bucket = {f"accuracy_{k}": v for k, v in result.by_bucket.items()}
         self.metrics.log("eval", step=self.version if step is None else step, accuracy=result.accuracy, **by_bucket)
         return result
+
+    def _require_sync(self, verb: str) -> None:
+        if self.config.run.mode != "sync":
+            raise RuntimeError(
+                f"{verb}() drives the in-process loop of run.mode=sync; in run.mode=async, fit() runs the "
+                "pipeline's workers and moves experience and weights itself"
+            )
 
     def _require_engines(self) -> None:
         if not self._engines_ready:

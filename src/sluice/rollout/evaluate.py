@@ -10,6 +10,7 @@ import asyncio
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sluice.api import GenerationRequest, InferenceEngine, PromptItem, RewardFn, SamplingParams
 
@@ -33,10 +34,18 @@ def evaluate(
     threshold: float = 1.0,
 ) -> EvalResult:
     """Greedy-decode ``items`` with ``engine`` and score them (blocking)."""
-    return asyncio.run(_evaluate(engine, items, tokenizer, reward, max_new_tokens, threshold))
+    return asyncio.run(evaluate_async(engine, items, tokenizer, reward, max_new_tokens, threshold))
 
 
-async def _evaluate(engine, items, tokenizer, reward, max_new_tokens, threshold) -> EvalResult:  # type: ignore[no-untyped-def]
+async def evaluate_async(
+    engine: InferenceEngine,
+    items: Sequence[PromptItem],
+    tokenizer: Any,
+    reward: RewardFn,
+    max_new_tokens: int,
+    threshold: float = 1.0,
+) -> EvalResult:
+    """``evaluate`` as a coroutine, for callers already on an event loop (rollout workers)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
     requests = [GenerationRequest(f"eval-{it.index}", it.prompt_ids, params) for it in items]
     completions = await asyncio.gather(*(engine.generate(r) for r in requests))

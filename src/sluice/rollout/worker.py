@@ -21,7 +21,7 @@ from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, Samp
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.queue.samples import samples_to_rows
-from sluice.rollout.evaluate import EvalResult, _evaluate
+from sluice.rollout.evaluate import EvalResult, evaluate_async
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
@@ -107,7 +107,7 @@ class RolloutWorker:
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
         with self.tracer.span("eval", lane="eval", prompts=len(items)):
-            return await _evaluate(self.engine, items, self.tokenizer, self.reward, max_new_tokens, 1.0)
+            return await evaluate_async(self.engine, items, self.tokenizer, self.reward, max_new_tokens)
 
     def engine_stats(self) -> dict[str, float]:
         return self.engine.stats()

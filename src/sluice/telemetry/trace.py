@@ -35,6 +35,8 @@ SPAN_CATEGORIES: dict[str, str] = {
     "optimizer_step": "train",
     "weight_sync": "sync",
     "weight_load": "sync",
+    "weight_publish": "sync",
+    "weight_fetch": "sync",
     "wait_weights": "wait",
     "wait_data": "wait",
     "stale_wait": "wait",
