@@ -164,3 +164,8 @@ class FakePipeline:
         await asyncio.sleep(self.sync_s)
         self.engine_version = version
         return {}
+
+
+def short_only_reward(response: str, *, bucket: str = "short", **_: Any) -> float:
+    """``length_reward`` on short prompts, a constant 0 on long ones: long groups carry no signal."""
+    return length_reward(response) if bucket == "short" else 0.0

@@ -105,3 +105,23 @@ def test_eta1_weight_update_modes_keep_the_bound(model_dir, tmp_path, mode):
     fates = next(r for r in records if r["kind"] == "fates")
     assert fates["groups_trained"] == 12
     assert sum(v for k, v in fates.items() if k.startswith("staleness_")) == 12
+
+
+def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_path):
+    from fakes import short_only_reward
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}", "task.train_prompts=64", "task.eval_prompts=16", "rollout.group_size=4",
+            "rollout.prompts_per_step=4", "rollout.max_new_tokens=8", "rollout.filter_groups=zero_signal",
+            "run.mode=async", "run.backend=local", "run.steps=3", "run.progress=false",
+            f"run.output_dir={tmp_path}", "run.name=filtered",
+        ],
+    )  # fmt: skip
+    result = RLTrainer(cfg, reward=short_only_reward).fit()
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    fates = next(r for r in records if r["kind"] == "fates")
+    assert fates["groups_trained"] == 12  # every step still got B groups: discards returned their credit
+    assert fates["discarded_zero_signal"] >= 4  # ~30 % of prompts are long: whole groups of 4 dropped
+    assert all(r["groups_with_signal"] == 1.0 for r in records if r["kind"] == "train")
