@@ -36,7 +36,7 @@ from sluice.rollout.evaluate import EvalResult, evaluate
 from sluice.rollout.single_turn import SingleTurnWorkflow, group_stats
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
-from sluice.tasks.dataset import PromptStream, read_jsonl, to_prompt_items
+from sluice.tasks.dataset import DatasetError, PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
 from sluice.telemetry.trace import trace_numbers
@@ -137,7 +137,7 @@ class RLTrainer:
         items = to_prompt_items(list(rows), self.tokenizer, source=source)
         leaked = [it.index for it in items if it.prompt in held_out]
         if leaked:
-            raise ValueError(f"{source} {leaked[0]}: prompt is in the held-out set ({len(leaked)} such rows)")
+            raise DatasetError(f"{source} {leaked[0]}: prompt is in the held-out set ({len(leaked)} such rows)")
         self.prompts = PromptStream(items, self.config.run.seed)
         self._data_ready = True
 
@@ -148,10 +148,8 @@ class RLTrainer:
 
     def recv_experience_data(self, num_groups: int) -> list[Sample]:
         """Take the ``num_groups`` oldest complete groups from the buffer (a global batch)."""
-        order: list[int] = []
-        for s in self._buffer:
-            if s.group_id not in order:
-                order.append(s.group_id)
+        self._require_sync("recv_experience_data")
+        order = list(dict.fromkeys(s.group_id for s in self._buffer))  # arrival order, unique
         chosen = set(order[:num_groups])
         batch = [s for s in self._buffer if s.group_id in chosen]
         self._buffer = [s for s in self._buffer if s.group_id not in chosen]
