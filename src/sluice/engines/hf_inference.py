@@ -5,8 +5,9 @@ models (Llama, Qwen2, ...); the default RL loop generates with it on CPU. Each `
 deterministic (no clock): drop rows aborted since the last step; admit waiting requests (FIFO) up
 to ``max_batch``, prefilling each distinct prompt once and sampling their first token from the
 prefill logits; then one decode step for all running rows. The running batch shares one
-right-aligned ``DynamicCache`` (``kv_batch.py``); sampling is counter-based per sample
-(``sampling.py``), so a sample's tokens do not depend on its batch neighbours.
+right-aligned, preallocated KV cache (``kv_batch.py``: no whole-cache copy per step); sampling
+is counter-based per sample (``sampling.py``), so a sample's tokens do not depend on its batch
+neighbours.
 
 Weight updates (DESIGN.md "Versions and staleness"), always applied between two steps:
 
@@ -36,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -57,6 +57,7 @@ _MODES = ("interrupt", "defer", "staggered")
 class _Seq:
     request: GenerationRequest
     future: Future[Completion]
+    order: int  # submission number: rows finishing in one step resolve in this order
 
 
 @dataclass
@@ -90,6 +91,7 @@ class HFInferenceEngine:
         self._admit_batch = max(1, int(max_batch * admit_fraction))
         self.version = version
         self._waiting: deque[_Seq] = deque()
+        self._submitted = 0
         self._rows: Rows | None = None
         self._by_id: dict[str, _Seq] = {}
         self._abort_ids: set[str] = set()
@@ -184,7 +186,8 @@ class HFInferenceEngine:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
         if params.max_new_tokens < 1 or params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError(f"request {request.request_id!r}: invalid sampling params {params}")
-        seq = _Seq(request, Future())
+        seq = _Seq(request, Future(), self._submitted)
+        self._submitted += 1
         seq.future.add_done_callback(lambda f: self.abort(request.request_id) if f.cancelled() else None)
         self._by_id[request.request_id] = seq
         self._waiting.append(seq)
@@ -251,13 +254,15 @@ class HFInferenceEngine:
         """Rebuild the running rows' KV cache (prompt + tokens so far, not ``last``) with the current
         weights; ``last``, positions and sampling counters stay as they are."""
         sequences = rows.cached_tokens([s.request.prompt_ids for s in rows.seqs])
-        rows.cache, rows.mask, _, computed = prefill(self.model, sequences)
+        cache, mask, _, computed = prefill(self.model, sequences)
+        rows.replace_cache(cache, mask)
         self._counts["reprefill_tokens"] += computed
 
     def _admit(self) -> None:
-        """Admit waiting requests into free slots, in batches: merging new rows into the running
-        cache copies it, so admission waits until a quarter of the slots (or every waiting
-        request) fits, unless nothing is running. Step-driven, so still deterministic."""
+        """Admit waiting requests into free slots, in batches: each admission costs prefill forwards
+        (one per prompt length) and a write into the slab, so admission waits until a quarter of
+        the slots (or every waiting request) fits, unless nothing is running. Step-driven, so still
+        deterministic."""
         running = len(self._rows.seqs) if self._rows is not None else 0
         free = self.max_batch - running
         if free <= 0 or not self._waiting:
@@ -278,14 +283,14 @@ class HFInferenceEngine:
         rows = self._rows
         if rows is None:
             return
-        rows.mask = F.pad(rows.mask, (0, 1), value=1)  # [rows, cols + 1]: the column `last` fills
         out = self.model(
             input_ids=rows.last.unsqueeze(1),
-            attention_mask=rows.mask,
+            attention_mask=rows.open_column(),  # [rows, cols + 1]: the column `last` fills
             position_ids=rows.pos.unsqueeze(1),
             past_key_values=rows.cache,
             use_cache=True,
         )
+        rows.close_column()
         rows.pos += 1
         done, stopped = self._advance(rows, out.logits[:, -1])
         self._rows = self._retire(rows, done, stopped)
@@ -304,18 +309,20 @@ class HFInferenceEngine:
         return stopped | (rows.ngen >= rows.max_new), stopped
 
     def _retire(self, rows: Rows, done: Tensor, stopped: Tensor | None) -> Rows | None:
-        """Resolve rows where ``done`` (reason from ``stopped``; None = aborted); return the rest."""
+        """Resolve rows where ``done`` (reason from ``stopped``; None = aborted) in submission order
+        (rows move slots when others leave, so row order is not admission order); return the rest."""
         if not bool(done.any()):
             return rows
         idx = done.nonzero().squeeze(1)
         tokens, logprobs = rows.out_tok[idx].tolist(), rows.out_lp[idx].tolist()
         versions, lengths = rows.out_ver[idx].tolist(), rows.ngen[idx].tolist()
         flags = stopped[idx].tolist() if stopped is not None else [None] * len(lengths)
-        for j, (i, n, flag) in enumerate(zip(idx.tolist(), lengths, flags, strict=True)):
+        finished = list(zip(idx.tolist(), tokens, logprobs, versions, lengths, flags, strict=True))
+        for i, tok, lp, ver, n, flag in sorted(finished, key=lambda f: rows.seqs[f[0]].order):
             reason: FinishReason = "abort" if flag is None else "stop" if flag else "length"
-            self._resolve(rows.seqs[i], tokens[j][:n], logprobs[j][:n], versions[j][:n], reason)
-        keep = (~done).nonzero().squeeze(1)
-        return rows.select(keep) if keep.numel() else None
+            self._resolve(rows.seqs[i], tok[:n], lp[:n], ver[:n], reason)
+        keep = (~done).nonzero().squeeze(1).tolist()
+        return rows.select(keep) if keep else None
 
     def _resolve(self, seq: _Seq, tokens: list, logprobs: list, versions: list, reason: FinishReason) -> None:
         rid = seq.request.request_id

@@ -1,13 +1,17 @@
 """Row-aligned batch state over one right-aligned KV cache, and the prefill that builds it.
 
 ``Rows`` holds everything the built-in engine tracks per running sequence (row ``i`` is
-``seqs[i]``): the shared ``DynamicCache``, a 2-D mask of valid columns, the next token to feed,
-position ids, sampling parameters, and the generated tokens / log-probs / versions so far. Rows
-leave by ``select`` (``index_select``, dropping leading columns nobody uses) and join by
-``extend`` (left-padding the shorter side with masked zero columns). ``prefill`` runs each
-distinct token sequence once (equal lengths share one unpadded forward) and returns a cache whose
-rows follow the input order; the engine uses it for new prompts and, after an interrupting weight
-update, to rebuild the cache of running rows (prompt + tokens so far) under the new weights.
+``seqs[i]``): the KV cache and a 2-D mask of valid columns (both in a preallocated ``_Slab`` with
+spare rows and columns, read by the model through a ``DynamicCache`` of ``_SlabLayer`` views), the
+next token to feed, position ids, sampling parameters, and the generated tokens / log-probs /
+versions so far. A decode step writes its column in place; rows leave by ``select`` (the last rows
+move into freed slots, leading columns nobody uses are dropped by moving an offset) and join by
+``extend`` (written into free slots, right-aligned). Why: with ``DynamicCache`` concatenation and
+``index_select`` every step copied the whole cache, which made continuous batching (rows leave and
+join all the time) slower than static batches. ``prefill`` runs each distinct token sequence once
+(equal lengths share one unpadded forward) and returns a plain cache whose rows follow the input
+order; the engine uses it for new prompts and, after an interrupting weight update, to rebuild the
+cache of running rows (prompt + tokens so far) under the new weights.
 
 Not here: scheduling, sampling and weight updates (``hf_inference.py``, ``sampling.py``); paged
 KV and sliding-window caches.
@@ -23,15 +27,89 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from sluice.api.types import SamplingParams
 
+_ROOM = 32  # spare columns per (re)allocation of the slab
 
-def _map_kv(cache: DynamicCache, fn: Any) -> None:
-    """Replace every layer's keys and values [rows, kv_heads, cols, head_dim] by ``fn(tensor)``."""
-    for layer in cache.layers:
-        for attr in ("keys", "values"):
-            setattr(layer, attr, fn(getattr(layer, attr)))
+
+def _cols(buf: Tensor, a: int, b: int) -> Tensor:
+    """Columns ``a:b`` of a KV buffer [rows, kv_heads, cols, head_dim] or a mask [rows, cols]."""
+    return buf.narrow(2 if buf.dim() == 4 else 1, a, b - a)
+
+
+class _Slab:
+    """Preallocated keys / values of every layer plus the mask, with spare rows and columns; rows
+    ``:n`` hold columns ``start:end``. Why: ``DynamicCache`` concatenates (copies the whole cache) on
+    every decode step, and rows leaving or joining copied it again; on a small model those copies
+    cost more than the forward. Here a decode step writes one column in place, a leaving row's slot
+    takes the last row (copying only moved rows), joining rows go into free slots, and trimming
+    columns nobody uses only moves ``start``. Buffers are zero-initialised and only ever hold
+    finite values, so masked columns contribute exactly nothing to attention."""
+
+    def __init__(self, tensors: list[Tensor], rows: int) -> None:
+        n, cols = tensors[-1].shape
+        self.n, self.start, self.end = n, 0, cols
+        self.bufs = [self._alloc(t, max(rows, n), cols + _ROOM) for t in tensors]
+        for buf, t in zip(self.bufs, tensors, strict=True):
+            _cols(buf, 0, cols)[:n].copy_(t)
+
+    @staticmethod
+    def _alloc(like: Tensor, rows: int, cols: int) -> Tensor:
+        shape = (rows, *like.shape[1:-2], cols, like.shape[-1]) if like.dim() == 4 else (rows, cols)
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def view(self, i: int, extra: int = 0) -> Tensor:
+        return _cols(self.bufs[i], self.start, self.end + extra)[: self.n]
+
+    def reserve(self, rows: int, width: int, room: int) -> None:
+        """Room for ``rows`` rows, ``width`` columns ending at ``end``, and ``room`` columns after it;
+        reallocates (one copy) only when the spare rows / columns run out."""
+        cols, (cap_rows, cap_cols) = self.end - self.start, self.bufs[-1].shape
+        grow = max(0, width - cols)
+        if rows <= cap_rows and grow <= self.start and self.end + room <= cap_cols:
+            self.start -= grow
+            return
+        width = max(width, cols)
+        new = [self._alloc(b, max(rows, cap_rows), width + max(room, _ROOM)) for b in self.bufs]
+        for old, buf in zip(self.bufs, new, strict=True):
+            _cols(buf, width - cols, width)[: self.n].copy_(_cols(old, self.start, self.end)[: self.n])
+        self.bufs, self.start, self.end = new, 0, width
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's view of a ``_Slab``: ``update`` writes the new column(s) in place after ``end``
+    (the engine reserved them) and returns views; the engine advances ``end`` after the forward."""
+
+    def __init__(self, slab: _Slab, k: int, v: int) -> None:  # no super(): keys / values are views
+        self.slab, self.kv, self.is_initialized = slab, (k, v), True
+
+    @property
+    def keys(self) -> Tensor:  # type: ignore[override]
+        return self.slab.view(self.kv[0])
+
+    @property
+    def values(self) -> Tensor:  # type: ignore[override]
+        return self.slab.view(self.kv[1])
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        s, add = self.slab, key_states.shape[2]
+        s.reserve(s.n, 0, add)
+        for i, new in zip(self.kv, (key_states, value_states), strict=True):
+            _cols(s.bufs[i], s.end, s.end + add)[: s.n].copy_(new)
+        return s.view(self.kv[0], add), s.view(self.kv[1], add)
+
+    def get_seq_length(self) -> int:
+        return self.slab.end - self.slab.start
+
+
+def _to_slab(cache: DynamicCache, mask: Tensor, rows: int) -> tuple[DynamicCache, _Slab]:
+    """Copy a plain (prefill) cache into a new slab with ``rows`` row slots; a cache reading it."""
+    layers = len(cache.layers)
+    slab = _Slab([*(c.keys for c in cache.layers), *(c.values for c in cache.layers), mask], rows)
+    cache.layers = [_SlabLayer(slab, i, layers + i) for i in range(layers)]
+    return cache, slab
 
 
 @dataclass
@@ -39,8 +117,8 @@ class Rows:
     """Row-aligned state of sequences sharing one right-aligned KV cache (row i is seqs[i])."""
 
     seqs: list[Any]
-    cache: DynamicCache  # per layer keys / values [rows, kv_heads, cols, head_dim]
-    mask: Tensor  # [rows, cols] 1 where the column holds one of the row's tokens
+    cache: DynamicCache  # per layer keys / values [rows, kv_heads, cols, head_dim], views of `slab`
+    slab: _Slab
     last: Tensor  # [rows] token to feed next
     pos: Tensor  # [rows] position id of `last` (= the row's tokens in the cache)
     key: Tensor  # [rows] hash key from the request seed
@@ -70,8 +148,7 @@ class Rows:
 
         return cls(
             seqs=list(seqs),
-            cache=cache,
-            mask=mask,
+            **dict(zip(("cache", "slab"), _to_slab(cache, mask, n), strict=True)),
             last=new([0] * n),
             pos=mask.sum(1),
             key=new(keys),
@@ -85,31 +162,65 @@ class Rows:
             out_ver=new([[0] * width] * n),
         )
 
+    @property
+    def mask(self) -> Tensor:
+        """[rows, cols] 1 where the column holds one of the row's tokens."""
+        return self.slab.view(-1)
+
+    def replace_cache(self, cache: DynamicCache, mask: Tensor) -> None:
+        """Use a rebuilt (re-prefilled) plain cache for the same rows, in the same order."""
+        self.cache, self.slab = _to_slab(cache, mask, self.slab.bufs[-1].shape[0])
+
+    def open_column(self) -> Tensor:
+        """Reserve the column a decode step fills and return the mask [rows, cols + 1] including it."""
+        s = self.slab
+        s.reserve(s.n, 0, 1)
+        _cols(s.bufs[-1], s.end, s.end + 1)[: s.n] = 1
+        return s.view(-1, 1)
+
+    def close_column(self) -> None:
+        """After the decode forward wrote the reserved column into every layer."""
+        self.slab.end += 1
+
     def cached_tokens(self, prompts: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Each row's tokens held in the cache: its prompt plus all generated tokens but ``last``."""
         generated, counts = self.out_tok.tolist(), self.ngen.tolist()
         return [tuple(p) + tuple(g[: n - 1]) for p, g, n in zip(prompts, generated, counts, strict=True)]
 
-    def select(self, idx: Tensor) -> Rows:
-        """Keep rows ``idx`` [kept] and drop leading columns no kept row uses."""
-        self.seqs = [self.seqs[i] for i in idx.tolist()]
-        mask = self.mask.index_select(0, idx)
-        first = int(mask.any(0).to(torch.int8).argmax())
-        self.mask = mask[:, first:]
-        _map_kv(self.cache, lambda t: t[:, :, first:].index_select(0, idx))
-        for name in self._PER_ROW + tuple(n for n, _ in self._PADDED):
+    def select(self, keep: list[int]) -> Rows:
+        """Keep rows ``keep`` (ascending): each freed slot below ``len(keep)`` takes a kept row from
+        above it, so only moved rows are copied (row order changes); then drop leading columns no
+        kept row uses."""
+        s, n = self.slab, len(keep)
+        kept = set(keep)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [i for i in keep if i >= n]
+        order = list(range(n))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        if holes:
+            dst, src = (torch.tensor(x, device=s.bufs[0].device) for x in (holes, movers))
+            for buf in s.bufs:
+                part = _cols(buf, s.start, s.end)
+                part.index_copy_(0, dst, part.index_select(0, src))
+        self.seqs = [self.seqs[i] for i in order]
+        s.n = n
+        s.start += int(self.mask.any(0).to(torch.int8).argmax())
+        idx = torch.tensor(order, device=s.bufs[0].device)
+        for name in self._PER_ROW + tuple(name for name, _ in self._PADDED):
             setattr(self, name, getattr(self, name).index_select(0, idx))
         return self
 
     def extend(self, other: Rows) -> Rows:
-        """Append ``other``'s rows, left-padding the shorter cache with masked zero columns."""
-        cols = max(self.mask.shape[1], other.mask.shape[1])
+        """Append ``other``'s rows into free slots (right-aligned; columns left of them masked)."""
+        s, o = self.slab, other.slab
+        k, width = o.n, o.end - o.start
+        s.reserve(s.n + k, width, 1)
+        for buf, theirs in zip(s.bufs, o.bufs, strict=True):
+            _cols(buf, s.start, s.end)[s.n : s.n + k].zero_()
+            _cols(buf, s.end - width, s.end)[s.n : s.n + k].copy_(_cols(theirs, o.start, o.end)[:k])
+        s.n += k
         self.seqs = self.seqs + other.seqs
-        self.mask = torch.cat([F.pad(m, (cols - m.shape[1], 0)) for m in (self.mask, other.mask)])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            for attr in ("keys", "values"):
-                pair = (getattr(mine, attr), getattr(theirs, attr))
-                setattr(mine, attr, torch.cat([F.pad(t, (0, 0, cols - t.shape[2], 0)) for t in pair]))
         for name in self._PER_ROW:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         for name, fill in self._PADDED:
@@ -149,5 +260,6 @@ def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tup
     mask = torch.tensor([[0] * (cols - len(s)) + [1] * len(s) for s in order], dtype=torch.long, device=device)
     row_of = {s: i for i, s in enumerate(order)}
     share = torch.tensor([row_of[tuple(s)] for s in sequences], device=device)
-    _map_kv(merged, lambda t: t.index_select(0, share))
+    for layer in merged.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, share), layer.values.index_select(0, share)
     return merged, mask.index_select(0, share), torch.cat(logits).index_select(0, share), sum(map(len, distinct))
