@@ -33,3 +33,11 @@ def ray_cluster():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_task_model(tmp_path_factory):
+    """One saved random tiny model with the default task's tokenizer, shared by end-to-end tests."""
+    from tiny import save_tiny_task_model
+
+    return save_tiny_task_model(tmp_path_factory.mktemp("tiny_task_model"))

@@ -1,4 +1,7 @@
-"""A tiny random Llama shared by the engine and trainer tests (a real model, not a fake)."""
+"""Tiny real models for tests (not fakes): a random Llama for engine and trainer tests, and a
+random model with the default task's tokenizer plus run overrides for end-to-end runs."""
+
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -20,3 +23,33 @@ def tiny_llama(seed: int = 0, vocab: int = VOCAB) -> LlamaForCausalLM:
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(config).float().eval()
+
+
+def save_tiny_task_model(path: Path) -> Path:
+    """A random tiny Llama with the default task's character tokenizer, saved as an HF folder."""
+    from sluice.tasks import TASKS
+    from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer(TASKS["reverse_digits"].alphabet)
+    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def tiny_run_overrides(model_dir: Path, out: Path, name: str) -> list[str]:
+    """Config overrides for a 3-step run of 4 groups × 4 samples on ``save_tiny_task_model``."""
+    return [
+        f"model.path={model_dir}",
+        "task.train_prompts=64",
+        "task.eval_prompts=16",
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        "trainer.lr=3e-3",
+        "run.steps=3",
+        "run.threads=1",
+        "run.progress=false",
+        f"run.output_dir={out}",
+        f"run.name={name}",
+    ]

@@ -221,7 +221,7 @@ class RLTrainer:
         self.metrics = JsonlMetrics(self.run_dir / "metrics.jsonl")
         self._progress = progress or TrainProgress(cfg.run.steps, enabled=False)
         self._last_acc: float | None = None
-        self._started = time.monotonic()
+        self._started = self._last_step_at = time.monotonic()
         if cfg.run.mode == "sync":
             base, final = self._fit_sync()
         else:
@@ -275,7 +275,7 @@ class RLTrainer:
         """Log one step (after any due evaluation); False stops the run (``run.max_minutes``)."""
         cfg = self.config.run
         now = time.monotonic()
-        step_s = now - getattr(self, "_last_step_at", self._started)
+        step_s = now - self._last_step_at
         tokens_per_s = stats["trained_tokens"] / max(step_s, 1e-9)
         record = {**stats, **metrics, "step_s": step_s, "tokens_per_s": tokens_per_s}
         self._last_step_at = time.monotonic()

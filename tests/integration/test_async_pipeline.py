@@ -13,44 +13,23 @@ from fakes import length_reward
 from sluice import RLTrainer
 from sluice.config import load_config
 from sluice.engines.hf_model import load_causal_lm
-from sluice.tasks import TASKS
-from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+from tiny import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_async_model")
-    tok = build_char_tokenizer(TASKS["reverse_digits"].alphabet)
-    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+@pytest.fixture
+def model_dir(tiny_task_model):
+    return tiny_task_model
 
 
 def _run(model_dir, out, name, *overrides):
-    cfg = load_config(
-        None,
-        [
-            f"model.path={model_dir}",
-            "task.train_prompts=64",
-            "task.eval_prompts=16",
-            "rollout.group_size=4",
-            "rollout.prompts_per_step=4",
-            "rollout.max_new_tokens=12",
-            "rollout.max_batch=4",  # one group at a time: later groups generate while earlier ones train
-            "trainer.lr=3e-3",
-            "trainer.micro_batch_tokens=48",
-            "run.steps=3",
-            "run.threads=1",
-            "run.progress=false",
-            f"run.output_dir={out}",
-            f"run.name={name}",
-            *overrides,
-        ],
-    )
+    streaming = [
+        "rollout.max_new_tokens=12",
+        "rollout.max_batch=4",  # one group at a time: later groups generate while earlier ones train
+        "trainer.micro_batch_tokens=48",
+    ]
+    cfg = load_config(None, [*tiny_run_overrides(model_dir, out, name), *streaming, *overrides])
     trainer = RLTrainer(cfg, reward=length_reward)
     result = trainer.fit()
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -110,15 +89,8 @@ def test_eta1_weight_update_modes_keep_the_bound(model_dir, tmp_path, mode):
 def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_path):
     from fakes import short_only_reward
 
-    cfg = load_config(
-        None,
-        [
-            f"model.path={model_dir}", "task.train_prompts=64", "task.eval_prompts=16", "rollout.group_size=4",
-            "rollout.prompts_per_step=4", "rollout.max_new_tokens=8", "rollout.filter_groups=zero_signal",
-            "run.mode=async", "run.backend=local", "run.steps=3", "run.progress=false",
-            f"run.output_dir={tmp_path}", "run.name=filtered",
-        ],
-    )  # fmt: skip
+    filtered = ["rollout.max_new_tokens=8", "rollout.filter_groups=zero_signal", "run.mode=async", "run.backend=local"]
+    cfg = load_config(None, [*tiny_run_overrides(model_dir, tmp_path, "filtered"), *filtered])
     result = RLTrainer(cfg, reward=short_only_reward).fit()
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     fates = next(r for r in records if r["kind"] == "fates")

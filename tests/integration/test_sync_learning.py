@@ -9,43 +9,19 @@ from fakes import length_reward
 from sluice import RLTrainer
 from sluice.config import load_config
 from sluice.engines.hf_model import load_causal_lm
-from sluice.tasks import TASKS
-from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+from tiny import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_model")
-    tok = build_char_tokenizer(TASKS["reverse_digits"].alphabet)
-    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+@pytest.fixture
+def model_dir(tiny_task_model):
+    return tiny_task_model
 
 
 def _config(model_dir, out, name):
-    return load_config(
-        None,
-        [
-            f"model.path={model_dir}",
-            "task.train_prompts=64",
-            "task.eval_prompts=16",
-            "rollout.group_size=4",
-            "rollout.prompts_per_step=4",
-            "rollout.max_new_tokens=8",
-            "trainer.lr=3e-3",
-            "trainer.micro_batch_tokens=64",
-            "run.mode=sync",
-            "run.steps=3",
-            "run.threads=1",
-            "run.progress=false",
-            f"run.output_dir={out}",
-            f"run.name={name}",
-        ],
-    )
+    overrides = ["rollout.max_new_tokens=8", "trainer.micro_batch_tokens=64", "run.mode=sync"]
+    return load_config(None, [*tiny_run_overrides(model_dir, out, name), *overrides])
 
 
 def _train_records(run_dir):

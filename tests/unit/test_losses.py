@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from sluice.api.types import LossInputs
+from loss_cases import run_loss
 from sluice.trainer.losses import ppo_clip_loss
 
 torch.set_num_threads(1)
@@ -48,18 +48,7 @@ def random_inputs(n: int, seed: int, decoupled: bool) -> dict:
 
 
 def run(d: dict, normaliser: float, **kw):
-    logp = torch.tensor(d["logp"], dtype=torch.float64, requires_grad=True)
-    inputs = LossInputs(
-        logp=logp,
-        prox_logp=torch.tensor(d["prox"], dtype=torch.float64),
-        behav_logp=torch.tensor(d["behav"], dtype=torch.float64),
-        advantages=torch.tensor(d["adv"], dtype=torch.float64),
-        mask=torch.tensor(d["mask"]),
-        normaliser=normaliser,
-    )
-    out = ppo_clip_loss(inputs, **kw)
-    out.loss.backward()
-    return out, logp.grad.tolist()
+    return run_loss(ppo_clip_loss, d, normaliser, **kw)
 
 
 @pytest.mark.parametrize("decoupled", [False, True])

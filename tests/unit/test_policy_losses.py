@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from loss_cases import run_loss
 from sluice.api.types import LossInputs
 from sluice.trainer.losses import AGG_MODES, POLICY_LOSSES, agg_normaliser, gspo_loss, ppo_clip_loss
 
@@ -38,20 +39,7 @@ def make(seed: int, lengths=LENGTHS, decoupled: bool = True, seq_adv: bool = Fal
     return d
 
 
-def run(fn, d: dict, normaliser: float, **kw):
-    logp = torch.tensor(d["logp"], dtype=torch.float64, requires_grad=True)
-    inputs = LossInputs(
-        logp=logp,
-        prox_logp=torch.tensor(d["prox"], dtype=torch.float64),
-        behav_logp=torch.tensor(d["behav"], dtype=torch.float64),
-        advantages=torch.tensor(d["adv"], dtype=torch.float64),
-        mask=torch.tensor(d["mask"]),
-        normaliser=normaliser,
-        seq_lengths=torch.tensor(d["lengths"]),
-    )
-    out = fn(inputs, **kw)
-    out.loss.backward()
-    return out, logp.grad.tolist()
+run = run_loss
 
 
 def seqs(d: dict) -> list[list[int]]:
