@@ -41,7 +41,7 @@ from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
 from sluice.telemetry.trace import trace_numbers
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.step import plan_step, run_step, step_normaliser
+from sluice.trainer.updates import UpdateSchedule, train_global_batch
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ class RLTrainer:
             behav_weight_cap=cfg.trainer.tis_cap,
             tis_mode=cfg.trainer.tis_mode,
             tis_level=cfg.trainer.tis_level,
+        )
+        self.update_schedule = UpdateSchedule(
+            cfg.trainer.ppo_mini_batches, cfg.trainer.ppo_epochs, cfg.trainer.prox_logprobs == "recompute"
         )
         self.params = SamplingParams(
             max_new_tokens=self.max_new_tokens,
@@ -183,8 +186,10 @@ class RLTrainer:
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
         with self.trainer_tracer.span("train_step", lane="trainer", samples=len(samples)):
-            plan = plan_step(samples, self.algorithm, self.config.trainer.micro_batch_tokens)
-            metrics = run_step(self.train_engine, plan, self.algorithm, step_normaliser(samples, self.algorithm))
+            engine, t = self.train_engine, self.config.trainer
+            metrics = train_global_batch(
+                engine, samples, self.algorithm, t.micro_batch_tokens, self.update_schedule, engine.temperature
+            )
         self.version += 1
         return metrics
 

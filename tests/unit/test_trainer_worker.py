@@ -13,6 +13,7 @@ from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.step import plan_step, run_step, step_normaliser
+from sluice.trainer.updates import UpdateSchedule, train_global_batch
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
 from tiny import VOCAB, tiny_llama
@@ -70,3 +71,28 @@ def test_streamed_groups_equal_the_whole_batch_step(model_dir, estimator):
     for name, value in reference.export_weights().items():
         assert torch.equal(published[name], value), name
     assert queue.get(TRAIN_TASK, SAMPLE_COLUMNS, 1, timeout=0).indices == ()  # every row consumed once
+
+
+def test_mini_batch_schedule_waits_for_the_step_then_equals_the_whole_batch_updates(model_dir):
+    groups = _groups(4, seed=3)
+    queue = LocalQueue()
+    queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
+    for group in groups:
+        queue.put(*samples_to_rows(group, GROUP))
+    algorithm, sync = GRPOAlgorithm(), InProcessWeightSync()
+    schedule = UpdateSchedule(mini_batches=2, epochs=2, recompute_prox=True)
+    worker = TrainerWorker(model_dir, queue, algorithm, sync, group_size=GROUP, micro_batch_tokens=40,
+                           engine_kwargs={"lr": 1e-2}, schedule=schedule)  # fmt: skip
+    worker.begin_step()
+    worker.add_groups([0, 1])
+    assert worker.engine.model.model.embed_tokens.weight.grad is None  # held: no update before the whole step
+    worker.add_groups([2, 3])
+    metrics = worker.finish_step()
+
+    reference = HFTrainEngine(tiny_llama(0), lr=1e-2)
+    samples = [s for g in groups for s in g]
+    expected = train_global_batch(reference, samples, algorithm, 40, schedule, reference.temperature)
+    assert metrics["optimizer_steps"] == 4 and metrics["version"] == 1 and metrics["loss"] == expected["loss"]
+    published = sync.fetch(1)
+    for name, value in reference.export_weights().items():
+        assert torch.equal(published[name], value), name

@@ -123,6 +123,25 @@ class TrainerConfig(_Section):
     clip_high: float = Field(default=0.2, ge=0.0)
     """Ratio clip above 1 (``1 + clip_high``; raise it for DAPO clip-higher)."""
 
+    ppo_mini_batches: int = Field(default=1, ge=1)
+    """Optimizer updates per pass over a step's global batch: the batch is cut in arrival order
+    into this many nearly equal parts, each one AdamW update with its own normaliser; the policy
+    version still advances once per step. 1 (the default) lets the trainer accumulate while the
+    step's groups arrive; more updates wait for the whole batch. Use 2-8 (AReaL uses 4) for more
+    progress per generated sample, ideally with ``prox_logprobs: recompute``."""
+
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over a step's global batch (each pass takes ``ppo_mini_batches`` updates). More
+    than 1 reuses samples further off-policy; keep the clip on (``ppo_clip``, ``gspo``)."""
+
+    prox_logprobs: Literal["behav", "recompute"] = "behav"
+    """The proximal policy of the loss: ``behav`` uses the engine's sampling log-probs (standard
+    PPO); ``recompute`` recomputes log-probs with the trainer's weights at the start of the step,
+    once the step's global batch has arrived (decoupled PPO, AReaL eq. 5: the clip is a trust
+    region around the step's start, the behaviour weight corrects for staleness). Use
+    ``recompute`` with ``rollout.max_staleness`` ≥ 1 or ``ppo_mini_batches`` > 1; it costs one
+    extra forward pass per sample."""
+
     micro_batch_tokens: int = Field(default=2048, ge=1)
     """Token budget (prompt + response) of one micro-batch; gradients accumulate across them
     with step-wide normalisation, so this changes memory and speed, never the result. Smaller

@@ -34,6 +34,7 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         algorithm=trainer.algorithm,
         engine_kwargs=trainer.train_engine_kwargs,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        update_schedule=trainer.update_schedule,
         weight_update=cfg.rollout.weight_update,
         group_filter=FILTERS[cfg.rollout.filter_groups],
         rollout_threads=cfg.run.rollout_threads,

@@ -24,6 +24,7 @@ from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
+from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
 
@@ -48,6 +49,7 @@ class PipelineSpec:
     rollout_threads: int = 1
     trainer_threads: int = 1
     trace: bool = True
+    update_schedule: UpdateSchedule = ONE_UPDATE
 
 
 class _Pipeline:
@@ -213,6 +215,7 @@ def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any) -> dict[st
         "weight_sync": weight_sync,
         "group_size": spec.group_size,
         "micro_batch_tokens": spec.micro_batch_tokens,
+        "schedule": spec.update_schedule,
         "engine_kwargs": spec.engine_kwargs,
         "threads": spec.trainer_threads,
         "trace": spec.trace,

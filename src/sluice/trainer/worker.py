@@ -23,6 +23,7 @@ from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import SAMPLE_COLUMNS, group_rows, rows_to_samples
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.step import InOrderPacker, step_normaliser
+from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule, proximal_logprobs, train_global_batch
 
 TRAIN_TASK = "train"
 
@@ -40,6 +41,7 @@ class TrainerWorker:
         group_size: int,
         micro_batch_tokens: int,
         engine_kwargs: dict[str, Any],
+        schedule: UpdateSchedule = ONE_UPDATE,
         threads: int = 1,
         trace: bool = True,
     ) -> None:
@@ -50,6 +52,7 @@ class TrainerWorker:
         self.weight_sync = weight_sync
         self.group_size = group_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.schedule = schedule
         self.tracer = SpanRecorder("trainer", enabled=trace)
         self.version = 0
         self._step: InOrderPacker | None = None
@@ -73,28 +76,46 @@ class TrainerWorker:
         self._timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
         samples = sorted(rows_to_samples(batch), key=lambda s: position[s.group_id])
-        if self.algorithm.whole_batch_advantages:  # global whitening: wait for the whole step
+        if self.algorithm.whole_batch_advantages or not self.schedule.streams:  # needs the whole step
             self._held.extend(samples)
             return
-        for mb in self._step.add(samples, self.algorithm.advantages(samples)):
+        prox = proximal_logprobs(self.engine, samples, self.schedule, self.engine.temperature)
+        for mb in self._step.add(samples, self.algorithm.advantages(samples), prox):
             self._accumulate(mb)
 
     def finish_step(self) -> dict[str, float]:
         """Flush, scale by the step-wide normaliser, optimizer step, publish version ``v + 1``."""
         assert self._step is not None, "begin_step first"
         held, self._held = self._held, []
-        for mb in self._step.add(held, self.algorithm.advantages(held)) if held else []:
+        if not self.schedule.streams:
+            with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
+                metrics = train_global_batch(
+                    self.engine, held, self.algorithm, self.micro_batch_tokens, self.schedule, self.engine.temperature
+                )
+            return self._publish(metrics, held)
+        prox = proximal_logprobs(self.engine, held, self.schedule, self.engine.temperature)
+        for mb in self._step.add(held, self.algorithm.advantages(held), prox) if held else []:
             self._accumulate(mb)
         for mb in self._step.flush():
             self._accumulate(mb)
         with self.tracer.span("optimizer_step", lane="trainer"):
             metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(self._step.samples, self.algorithm))
+        return self._publish(metrics, self._step.samples)
+
+    def _publish(self, metrics: dict[str, float], samples: list[Sample]) -> dict[str, float]:
+        """Version ``v + 1``: publish the weights, close the step, report."""
         self.version += 1
         with self.tracer.span("weight_publish", lane="trainer", version=self.version):
             self.weight_sync.publish(self.engine.export_weights(), self.version)
-        trained = sum(len(s.response_ids) for s in self._step.samples)
+        trained = sum(len(s.response_ids) for s in samples)
         self._step = None
-        return {**metrics, **self._timing, "trained_tokens": float(trained), "version": float(self.version)}
+        return {
+            "optimizer_steps": 1.0,
+            **metrics,
+            **self._timing,
+            "trained_tokens": float(trained),
+            "version": float(self.version),
+        }
 
     def weights_fingerprint(self) -> tuple[int, float]:
         """(version, float64 sum of every parameter): compared with the engines' after a sync."""

@@ -1,0 +1,129 @@
+"""PPO mini-batches and epochs inside one training step, over a proximal policy fixed at its start.
+
+A training step consumes one global batch and advances the policy version once (DESIGN.md), but
+may take several optimizer updates: the batch is cut into ``mini_batches`` contiguous parts of
+nearly equal size (in arrival order), each one optimizer update with its own normaliser, and the
+whole pass is repeated ``epochs`` times. The proximal log-probs are those of the policy at the
+start of the step, recomputed once when the step's global batch has arrived (decoupled PPO,
+AReaL eq. 5), so from the second update on the current policy genuinely moves away from them
+and the clip acts as a trust region around the step's start. With ``recompute_prox`` off the
+proximal policy is the behaviour policy (standard PPO).
+
+The default schedule (one mini-batch, one epoch) is a single update that a streaming trainer
+can accumulate while groups still arrive (``UpdateSchedule.streams``); more updates need the
+whole batch first. Deliberately not here: choosing micro-batch cuts (``trainer/step.py``) and
+running models (the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sluice.api import Algorithm, Sample
+from sluice.trainer.step import InOrderPacker, StreamingTrainEngine, run_step
+
+MEAN_METRICS = frozenset({"loss", "grad_norm"})
+"""Per-update metrics averaged over a step's updates; every other metric is a sum."""
+
+
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """How one training step turns its global batch into optimizer updates."""
+
+    mini_batches: int = 1
+    epochs: int = 1
+    recompute_prox: bool = False
+    """Proximal log-probs from the policy at the step's start (decoupled PPO) instead of the
+    behaviour log-probs (standard PPO)."""
+
+    def __post_init__(self) -> None:
+        if self.mini_batches < 1 or self.epochs < 1:
+            raise ValueError(f"mini_batches and epochs must be >= 1, got {self.mini_batches}, {self.epochs}")
+
+    @property
+    def updates(self) -> int:
+        return self.mini_batches * self.epochs
+
+    @property
+    def streams(self) -> bool:
+        """One update per step: micro-batches can be accumulated as the batch arrives."""
+        return self.updates == 1
+
+
+ONE_UPDATE = UpdateSchedule()
+"""The default: one streaming update per step, proximal = behaviour policy."""
+
+
+def mini_batch_ranges(num_samples: int, mini_batches: int) -> list[range]:
+    """Contiguous index ranges of nearly equal size (the first ones one larger), in order; never
+    empty (fewer ranges when there are fewer samples than ``mini_batches``)."""
+    parts = min(mini_batches, num_samples)
+    base, extra = divmod(num_samples, parts) if parts else (0, 0)
+    out, start = [], 0
+    for k in range(parts):
+        size = base + (1 if k < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def proximal_logprobs(
+    engine: StreamingTrainEngine, samples: Sequence[Sample], schedule: UpdateSchedule, temperature: float
+) -> list[list[float]]:
+    """``[samples][response tokens]``: the current policy's log-probs (decoupled PPO), or the
+    behaviour log-probs when the schedule does not recompute them."""
+    if schedule.recompute_prox and samples:
+        return engine.logprobs(samples, temperature)
+    return [list(s.behav_logprobs) for s in samples]
+
+
+def run_updates(
+    engine: StreamingTrainEngine,
+    samples: Sequence[Sample],
+    advantages: Sequence[Sequence[float]],
+    prox_logprobs: Sequence[Sequence[float]],
+    algorithm: Algorithm,
+    micro_batch_tokens: int,
+    schedule: UpdateSchedule,
+) -> list[dict[str, float]]:
+    """Every optimizer update of one step, epoch by epoch, mini-batch by mini-batch; returns each
+    update's metrics. ``prox_logprobs`` stay fixed for the whole step."""
+    results = []
+    for _ in range(schedule.epochs):
+        for part in mini_batch_ranges(len(samples), schedule.mini_batches):
+            sub = [samples[i] for i in part]
+            packer = InOrderPacker(micro_batch_tokens)
+            planned = packer.add(sub, [advantages[i] for i in part], [prox_logprobs[i] for i in part])
+            planned += packer.flush()
+            results.append(run_step(engine, planned, algorithm, algorithm.normaliser(sub)))
+    return results
+
+
+def merge_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its updates: ``loss`` and ``grad_norm`` averaged, the rest
+    (token counts, stat sums, skipped steps) summed; ``optimizer_steps`` counts the updates.
+    A single update's metrics come back unchanged apart from ``optimizer_steps``."""
+    merged: dict[str, float] = {}
+    for metrics in updates:
+        for key, value in metrics.items():
+            merged[key] = merged.get(key, 0.0) + value
+    for key in MEAN_METRICS & merged.keys():
+        merged[key] = merged[key] / len(updates) if len(updates) > 1 else updates[0][key]
+    merged["optimizer_steps"] = float(len(updates))
+    return merged
+
+
+def train_global_batch(
+    engine: StreamingTrainEngine,
+    samples: Sequence[Sample],
+    algorithm: Algorithm,
+    micro_batch_tokens: int,
+    schedule: UpdateSchedule,
+    temperature: float,
+) -> dict[str, float]:
+    """One whole training step over a global batch that is all here: proximal log-probs (once),
+    advantages, then every update of the schedule; the merged metrics."""
+    prox = proximal_logprobs(engine, samples, schedule, temperature)
+    updates = run_updates(engine, samples, algorithm.advantages(samples), prox, algorithm, micro_batch_tokens, schedule)
+    return merge_update_metrics(updates)
