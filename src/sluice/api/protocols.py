@@ -50,6 +50,28 @@ class InferenceEngine(Protocol):
 
 
 @runtime_checkable
+class Replica(Protocol):
+    """One inference engine as ``LLMProxy`` drives it: ``InferenceEngine``'s verbs, all coroutines,
+    so an in-process engine and a Ray actor handle look alike (``rollout/replicas.py`` adapts both).
+    ``update_weights`` returns once the engine has taken the update (loaded, or staged for a drain);
+    ``stats()['version']`` tells when it holds it."""
+
+    async def generate(self, request: GenerationRequest) -> Completion: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(
+        self, weights: Mapping[str, torch.Tensor], version: int, mode: WeightUpdateMode
+    ) -> None: ...
+
+    async def stats(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
 class TrainEngine(Protocol):
     """Owns the trainable policy and its optimizer."""
 

@@ -28,12 +28,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One sequence to generate. ``seed`` makes its sampling independent of batching."""
+    """One sequence to generate. ``seed`` makes its sampling independent of batching.
+
+    ``affinity`` names requests that would rather share a replica (the samples of one prompt:
+    prefix sharing); a router may honour it (``LLMProxy`` without prompt replication) or not.
+    """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     seed: int = 0
+    affinity: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,106 @@
+"""Adapters that make inference engines ``Replica`` s for ``LLMProxy``: an in-process engine, or a
+Ray actor whose class implements ``InferenceEngine`` (``ray.remote(HFInferenceEngine)``,
+``ray.remote(SimEngine)``, ...). They translate calls only; routing and bookkeeping are the
+proxy's. ``merge_engine_stats`` folds many engines' ``stats()`` into one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sluice.api import Completion, GenerationRequest, InferenceEngine, Replica
+from sluice.api.protocols import WeightUpdateMode
+
+
+class LocalReplica:
+    """An ``InferenceEngine`` in this process (its generate runs on this event loop)."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        return await self.engine.generate(request)  # cancelling it aborts the request
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def pause(self) -> None:
+        self.engine.pause()
+
+    async def resume(self) -> None:
+        self.engine.resume()
+
+    async def update_weights(self, weights: Mapping[str, Any], version: int, mode: WeightUpdateMode) -> None:
+        self.engine.update_weights(weights, version, mode)
+
+    async def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+
+class RayReplica:
+    """A Ray actor handle of an ``InferenceEngine`` class; weights travel through the object store."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        ref = self.handle.generate.remote(request)
+        try:
+            return await ref
+        except asyncio.CancelledError:  # awaiting a ref does not stop the remote call
+            self.handle.abort.remote(request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        await self.handle.abort.remote(request_id)
+
+    async def pause(self) -> None:
+        await self.handle.pause.remote()
+
+    async def resume(self) -> None:
+        await self.handle.resume.remote()
+
+    async def update_weights(self, weights: Mapping[str, Any], version: int, mode: WeightUpdateMode) -> None:
+        await self.handle.update_weights.remote(dict(weights), version, mode)
+
+    async def stats(self) -> dict[str, float]:
+        result: dict[str, float] = await self.handle.stats.remote()
+        return result
+
+
+def as_replica(engine: Any) -> Replica:
+    """``engine`` as a ``Replica``: adapters pass through, Ray actor handles become ``RayReplica``,
+    anything else is taken for an in-process ``InferenceEngine``."""
+    if isinstance(engine, LocalReplica | RayReplica):
+        return engine
+    if "ray" in sys.modules:  # only a program that imported Ray can hold an actor handle
+        from ray.actor import ActorHandle
+
+        if isinstance(engine, ActorHandle):
+            return RayReplica(engine)
+    return LocalReplica(engine)
+
+
+_OLDEST = ("version",)
+_NEWEST = ("pending_version", "version_activated_at")
+
+
+def merge_engine_stats(per_engine: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """One ``stats()`` for many engines: counters add up; ``version`` is the oldest any engine
+    holds (every engine holds at least it), ``pending_version`` / ``version_activated_at`` the
+    newest."""
+    merged: dict[str, float] = {}
+    for stats in per_engine:
+        for name, value in stats.items():
+            if name not in merged:
+                merged[name] = value
+            elif name in _OLDEST:
+                merged[name] = min(merged[name], value)
+            elif name in _NEWEST:
+                merged[name] = max(merged[name], value)
+            else:
+                merged[name] += value
+    return merged

@@ -1,0 +1,35 @@
+"""LLMProxy over a Ray actor replica and an in-process one (real time, scaled SimEngines): the
+actor's in-flight requests move to the local replica when it is removed; weights reach both."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sluice.api import GenerationRequest, SamplingParams
+from sluice.rollout.proxy import LLMProxy
+from sluice.rollout.replicas import RayReplica
+from sluice.sim import LengthModel, SimEngine, SimEngineConfig
+
+CONFIG = SimEngineConfig(decode_s=0.01, load_s=0.1, time_scale=0.05, lengths=LengthModel(300, 0.0, 0.2))
+
+
+def test_ray_replica_weights_and_removal(ray_cluster) -> None:
+    actor = ray_cluster.remote(SimEngine).remote(CONFIG)
+    local = SimEngine(CONFIG)
+    proxy = LLMProxy([actor, local], poll_s=0.01)
+    assert isinstance(proxy._states[0].replica, RayReplica)
+    requests = [GenerationRequest(f"r{i}", (1, 2), SamplingParams(2000), seed=i) for i in range(6)]
+
+    async def main():
+        await proxy.sync_weights({"w": 1.0}, 1, "interrupt")
+        tasks = [asyncio.ensure_future(proxy.generate(r)) for r in requests]
+        await asyncio.sleep(0.05)
+        moved = await proxy.remove_replica(0)
+        done = await asyncio.gather(*tasks)
+        remote = await actor.stats.remote()
+        return moved, done, remote
+
+    moved, done, remote = asyncio.run(main())
+    assert moved == 3 and proxy.stats()["rerouted"] == 3 and remote["version"] == 1
+    assert all(c.finish_reason == "stop" and set(c.versions) == {1} for c in done)
+    assert sum(len(c.token_ids) for c in done) == remote["generated_tokens"] + local.stats()["generated_tokens"]
