@@ -97,6 +97,8 @@ class FakeAlgorithm:
     """Advantage = reward for every token; loss = 0 with a token count."""
 
     whole_batch_advantages = False
+    uses_entropy = False
+    uses_reference = False
 
     def normaliser(self, samples: Sequence[Sample]) -> float:
         return float(max(sum(sum(s.loss_mask) for s in samples), 1))

@@ -41,6 +41,7 @@ from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
 from sluice.telemetry.trace import trace_numbers
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.reference import frozen_engine, reference_logprobs
 from sluice.trainer.updates import UpdateSchedule, train_global_batch
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,13 @@ class RLTrainer:
             behav_weight_cap=cfg.trainer.tis_cap,
             tis_mode=cfg.trainer.tis_mode,
             tis_level=cfg.trainer.tis_level,
+            kl_coef=cfg.trainer.kl_coef,
+            kl_estimator=cfg.trainer.kl_estimator,
+            kl_in=cfg.trainer.kl_in,
+            entropy_coef=cfg.trainer.entropy_coef,
         )
+        if in_process and train and self.algorithm.uses_reference:
+            self.reference_engine = frozen_engine(self.model_dir, self.train_engine_kwargs)
         self.update_schedule = UpdateSchedule(
             cfg.trainer.ppo_mini_batches, cfg.trainer.ppo_epochs, cfg.trainer.prox_logprobs == "recompute"
         )
@@ -187,6 +194,8 @@ class RLTrainer:
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
         with self.trainer_tracer.span("train_step", lane="trainer", samples=len(samples)):
             engine, t = self.train_engine, self.config.trainer
+            if self.algorithm.uses_reference:  # the reference step, on the batch in hand
+                samples = reference_logprobs(self.reference_engine, samples, engine.temperature)
             metrics = train_global_batch(
                 engine, samples, self.algorithm, t.micro_batch_tokens, self.update_schedule, engine.temperature
             )

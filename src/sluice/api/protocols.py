@@ -104,6 +104,14 @@ class Algorithm(Protocol):
     """True when advantages depend on the whole step (global whitening): a streaming trainer
     then holds the step's samples until the last group has arrived."""
 
+    uses_entropy: bool
+    """True when ``loss`` reads ``LossInputs.entropy`` (an entropy bonus): the train engine then
+    computes the current policy's per-token entropy, with grad."""
+
+    uses_reference: bool
+    """True when the algorithm needs ``Sample.ref_logprobs`` (a KL to the reference policy): a
+    reference step must write them before a sample is trained."""
+
     def advantages(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Per-response-token advantages, aligned with ``samples``."""
         ...

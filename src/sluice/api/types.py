@@ -84,6 +84,9 @@ class Sample:
     loss_mask: tuple[int, ...]
     reward: float
     meta: dict[str, Any] = field(default_factory=dict)
+    ref_logprobs: tuple[float, ...] = ()
+    """Log-probs of the response under the frozen reference policy; empty until a reference
+    step has written them (only runs with a KL term need them)."""
 
     @property
     def version(self) -> int:
@@ -101,7 +104,9 @@ class LossInputs:
     ``normaliser`` is the step-wide denominator (e.g. the number of loss tokens in the whole
     global batch), so micro-batch losses add up to the full-batch loss. ``seq_lengths``
     ``[seqs]`` gives the sequence boundaries (response tokens per sample, in order) that
-    sequence-level losses and aggregation modes need; ``None`` when unknown.
+    sequence-level losses and aggregation modes need; ``None`` when unknown. ``ref_logp``
+    (frozen reference policy) and ``entropy`` (of the current policy, with grad) are ``[tokens]``
+    too, present when the algorithm's KL / entropy terms need them.
     """
 
     logp: torch.Tensor
@@ -111,6 +116,8 @@ class LossInputs:
     mask: torch.Tensor
     normaliser: float
     seq_lengths: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

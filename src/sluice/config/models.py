@@ -105,6 +105,24 @@ class TrainerConfig(_Section):
     """Granularity of the behaviour weight: per token, or one per sequence
     (``exp(Σ_t (log π_prox − log π_behav))``)."""
 
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    """β of the KL to the frozen reference policy (the initial model); 0 disables it and the
+    reference step. Use 1e-3 to 1e-2 to keep a long run near the base model (verl: 1e-3); GRPO
+    on verifiable rewards usually runs without it."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(π_θ ‖ π_ref), with δ = log π_ref − log π_θ: ``k1`` = −δ,
+    ``k2`` = δ²/2, ``k3`` = e^δ − 1 − δ (unbiased and ≥ 0: the usual choice for a loss term)."""
+
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL enters: ``loss`` adds ``kl_coef ·`` the aggregated per-token KL (with
+    gradient; GRPO-style), ``reward`` subtracts ``kl_coef · Σ_t KL_t`` (behaviour vs reference
+    log-probs) from each sequence's reward before the advantages (RLHF-style; use ``k1``)."""
+
+    entropy_coef: float = Field(default=0.0, ge=0.0)
+    """Entropy bonus: subtracts ``entropy_coef ·`` the aggregated per-token entropy of π_θ from
+    the loss (0 disables it). Small values (1e-3) slow the collapse of exploration."""
+
     lr: float = Field(default=1e-4, gt=0.0)
     """Adam learning rate."""
 

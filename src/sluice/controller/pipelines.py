@@ -19,11 +19,12 @@ from typing import Any
 
 from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams
 from sluice.queue import AsyncLocalQueue, LocalQueue
-from sluice.queue.samples import SAMPLE_COLUMNS
+from sluice.queue.samples import train_columns
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
+from sluice.trainer.reference import REF_INPUT_COLUMNS, REF_TASK, ReferenceWorker
 from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
@@ -70,11 +71,15 @@ class LocalPipeline(_Pipeline):
     def __init__(self, spec: PipelineSpec, prompts: PromptStream) -> None:
         super().__init__(spec, prompts)
         self.queue = LocalQueue()
-        self.queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
+        for task, columns in queue_tasks(spec).items():
+            self.queue.register_task(task, columns)
         self.weight_sync = InProcessWeightSync()
         self.rollout_worker = RolloutWorker(**_rollout_kwargs(spec, AsyncLocalQueue(self.queue)))
         self.trainer = TrainerWorker(**_trainer_kwargs(spec, self.queue, self.weight_sync))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-trainer")
+        self._reference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-reference")
+        if spec.algorithm.uses_reference:  # serves the reference task until the queue closes
+            self._reference.submit(ReferenceWorker(spec.model_dir, self.queue, spec.engine_kwargs).serve)
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         async for report in self.rollout_worker.run_groups(groups):
@@ -114,6 +119,7 @@ class LocalPipeline(_Pipeline):
     def close(self) -> None:
         self.queue.close()
         self._thread.shutdown(wait=True)
+        self._reference.shutdown(wait=True)
 
     async def _in_trainer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -130,13 +136,18 @@ class RayPipeline(_Pipeline):
 
         super().__init__(spec, prompts)
         ensure_ray(address)
-        self.queue = RayQueue.create(num_storage_units=1, tasks={TRAIN_TASK: SAMPLE_COLUMNS})
+        self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec))
         self.weight_sync = ObjectStoreWeightSync(name=f"sluice-weights-{os.getpid()}-{id(self)}")
         over = spec.rollout_threads + spec.trainer_threads > (os.cpu_count() or 1)
         rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over))
         self.rollout_actor = rollout_cls.remote(**_rollout_kwargs(spec, self.queue.as_async()))
         trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over))
         self.trainer_actor = trainer_cls.remote(**_trainer_kwargs(spec, self.queue, self.weight_sync))
+        self.reference_actor = None
+        if spec.algorithm.uses_reference:
+            reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True))
+            self.reference_actor = reference_cls.remote(spec.model_dir, self.queue, spec.engine_kwargs)
+            self.reference_actor.serve.remote()  # runs until the queue shuts down
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
@@ -181,8 +192,9 @@ class RayPipeline(_Pipeline):
     def close(self) -> None:
         import ray
 
-        for handle in (self.rollout_actor, self.trainer_actor):
-            ray.kill(handle)
+        for handle in (self.rollout_actor, self.trainer_actor, self.reference_actor):
+            if handle is not None:
+                ray.kill(handle)
         self.queue.shutdown()
 
 
@@ -190,6 +202,14 @@ async def wait_engine_version(engine_stats: Callable[[], Awaitable[dict[str, flo
     """``defer`` swaps only after the running sequences drain: wait until the engine holds ``version``."""
     while (await engine_stats())["version"] < version:
         await asyncio.sleep(WEIGHT_POLL_S)
+
+
+def queue_tasks(spec: PipelineSpec) -> dict[str, tuple[str, ...]]:
+    """The queue's tasks and their input columns: ``train``, plus ``reference`` for a KL term."""
+    tasks = {TRAIN_TASK: train_columns(spec.algorithm.uses_reference)}
+    if spec.algorithm.uses_reference:
+        tasks[REF_TASK] = REF_INPUT_COLUMNS
+    return tasks
 
 
 def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from sluice.api.protocols import Algorithm
 from sluice.api.types import LossInputs, MicroBatch, Sample
+from sluice.trainer.losses.regularizers import token_entropy
 from sluice.trainer.microbatch import balance_by_tokens, pad_batch
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class HFTrainEngine:
         with torch.no_grad():
             for indices in bins:
                 batch = self._to_device(pad_batch([samples[i] for i in indices]))
-                flat = self._response_logprobs(batch, temperature).cpu()
+                flat = self._response_logprobs(batch, temperature)[0].cpu()
                 lengths = batch["response_lengths"].tolist()
                 for i, part in zip(indices, torch.split(flat, lengths), strict=True):
                     result[i] = part.tolist()
@@ -117,7 +118,7 @@ class HFTrainEngine:
         row. The chunking depends only on the micro-batch, so it is deterministic.
         """
         for part in length_buckets(mb, self.padded_token_budget):
-            out = algorithm.loss(self._loss_inputs(part))
+            out = algorithm.loss(self._loss_inputs(part, algorithm.uses_entropy))
             out.loss.backward()
             self._totals["loss"] += float(out.loss.detach())
             for key, value in out.stats.items():
@@ -169,10 +170,11 @@ class HFTrainEngine:
         state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state)
 
-    def _loss_inputs(self, mb: MicroBatch) -> LossInputs:
-        """Forward one micro-batch with grad; all tensors ``[tokens]`` of its response tokens."""
+    def _loss_inputs(self, mb: MicroBatch, with_entropy: bool = False) -> LossInputs:
+        """Forward one micro-batch with grad; all tensors ``[tokens]`` of its response tokens
+        (``ref_logp`` when every sample carries reference log-probs, ``entropy`` on request)."""
         batch = self._to_device(pad_batch(mb.samples))
-        logp = self._response_logprobs(batch, self.temperature)
+        logp, entropy = self._response_logprobs(batch, self.temperature, with_entropy)
         advantages = _flatten(mb.advantages, self.device)
         prox_logp = _flatten(mb.prox_logprobs, self.device)
         if not advantages.shape == prox_logp.shape == logp.shape:
@@ -188,10 +190,15 @@ class HFTrainEngine:
             mask=batch["loss_mask"],
             normaliser=mb.normaliser,
             seq_lengths=batch["response_lengths"],
+            ref_logp=reference_logp(mb.samples, self.device),
+            entropy=entropy,
         )
 
-    def _response_logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-        """``[N]`` log-probs of the response tokens under ``log_softmax(logits / T)``."""
+    def _response_logprobs(
+        self, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[N]`` log-probs of the response tokens under ``log_softmax(logits / T)``, and their
+        distributions' ``[N]`` entropies when ``with_entropy``."""
         logits = self.model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
         ).logits  # [B, T, V]
@@ -199,7 +206,8 @@ class HFTrainEngine:
         if temperature > 0:
             picked = picked / temperature
         logp = torch.log_softmax(picked, dim=-1)
-        return logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+        entropy = token_entropy(logp) if with_entropy else None
+        return logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1), entropy
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in batch.items()}
@@ -225,6 +233,13 @@ def length_buckets(mb: MicroBatch, padded_token_budget: int) -> list[MicroBatch]
         )
         for part in parts
     ]
+
+
+def reference_logp(samples: Sequence[Sample], device: torch.device) -> torch.Tensor | None:
+    """``[tokens]`` reference log-probs of ``samples``, or ``None`` unless every sample has them."""
+    if not all(len(s.ref_logprobs) == len(s.response_ids) for s in samples):
+        return None
+    return _flatten([s.ref_logprobs for s in samples], device)
 
 
 def _flatten(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:

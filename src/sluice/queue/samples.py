@@ -24,6 +24,15 @@ SAMPLE_COLUMNS = (
 )
 """What the ``train`` task reads."""
 
+REF_COLUMN = "ref_logprobs"
+"""Per-response-token log-probs of the frozen reference policy, written by the ``reference``
+task (``trainer/reference.py``); the ``train`` task reads it too when the loss has a KL term."""
+
+
+def train_columns(with_reference: bool) -> tuple[str, ...]:
+    """The ``train`` task's input columns: the sample's, plus ``ref_logprobs`` when a KL needs them."""
+    return (*SAMPLE_COLUMNS, REF_COLUMN) if with_reference else SAMPLE_COLUMNS
+
 
 def group_rows(group_id: int, group_size: int) -> list[int]:
     return list(range(group_id * group_size, (group_id + 1) * group_size))
@@ -55,7 +64,8 @@ def samples_to_rows(
 
 
 def rows_to_samples(batch: Batch) -> list[Sample]:
-    """Rebuild ``Sample`` s from a batch read with ``SAMPLE_COLUMNS``, in index order."""
+    """Rebuild ``Sample`` s from a batch read with ``SAMPLE_COLUMNS`` (and maybe ``REF_COLUMN``), in
+    index order."""
     cols = batch.columns
     order = sorted(range(len(batch)), key=lambda k: batch.indices[k])
     return [
@@ -69,6 +79,7 @@ def rows_to_samples(batch: Batch) -> list[Sample]:
             loss_mask=tuple(cols["loss_mask"][k]),
             reward=float(cols["reward"][k]),
             meta=dict(cols["meta"][k]),
+            ref_logprobs=tuple(cols[REF_COLUMN][k]) if REF_COLUMN in cols else (),
         )
         for k in order
     ]

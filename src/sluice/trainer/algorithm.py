@@ -8,8 +8,10 @@ groups samples by ``group_id`` (groups may be of unequal size, e.g. after a filt
 one scalar per sample from ``sample.reward`` and broadcasts it to every response token;
 ``normaliser`` is the step-wide denominator the aggregation mode asks for.
 
-Deliberately not here: critics / GAE with values, KL-to-reference terms, PPO mini-batches, and
-anything that touches a model or an engine.
+Optional regularizers (``trainer/losses/regularizers.py``): a KL to the frozen reference
+policy, as a loss term or subtracted from each sequence's reward before the estimator, and an
+entropy bonus. Deliberately not here: critics / GAE with values, PPO mini-batches
+(``trainer/updates.py``), and anything that touches a model or an engine.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from sluice.api.types import LossInputs, LossOutputs, Sample
 from sluice.trainer.algos import ADVANTAGE_ESTIMATORS, NEEDS_VALUES, WHOLE_BATCH_ESTIMATORS
 from sluice.trainer.losses import AGG_MODES, CLIPPED_LOSSES, POLICY_LOSSES, agg_normaliser
+from sluice.trainer.losses.regularizers import KL_ESTIMATORS, add_regularizers, sequence_kl
 
 
 class GRPOAlgorithm:
@@ -37,6 +40,9 @@ class GRPOAlgorithm:
         loss_agg_mode: ``token-mean``, ``seq-mean-token-sum`` or ``seq-mean-token-mean``.
         dual_clip_c: PPO dual clip bound for negative advantages (``ppo_clip`` only).
         tis_mode, tis_level: ``cap`` / ``mask`` and ``token`` / ``sequence`` for the TIS cap.
+        kl_coef, kl_estimator, kl_in: KL to the reference policy (``k1`` / ``k2`` / ``k3``),
+            added to the ``loss`` or subtracted in the ``reward``; ``kl_coef = 0`` disables it.
+        entropy_coef: weight of the entropy bonus (0 disables it).
     """
 
     def __init__(
@@ -51,6 +57,10 @@ class GRPOAlgorithm:
         dual_clip_c: float | None = None,
         tis_mode: str = "cap",
         tis_level: str = "token",
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        kl_in: str = "loss",
+        entropy_coef: float = 0.0,
     ) -> None:
         if estimator in NEEDS_VALUES:
             raise ValueError(f"estimator {estimator!r} needs a critic's values; sluice has no critic yet")
@@ -62,6 +72,12 @@ class GRPOAlgorithm:
             raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; known: {AGG_MODES}")
         if dual_clip_c is not None and policy_loss != "ppo_clip":
             raise ValueError("dual_clip_c applies to policy_loss 'ppo_clip' only")
+        if kl_estimator not in KL_ESTIMATORS or kl_in not in ("loss", "reward"):
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS} and kl_in 'loss' or 'reward'")
+        self.kl_coef, self.kl_estimator, self.kl_in = kl_coef, kl_estimator, kl_in
+        self.entropy_coef = entropy_coef
+        self.uses_entropy = entropy_coef != 0.0
+        self.uses_reference = kl_coef != 0.0  # samples need ref_logprobs: a reference step runs first
         self.estimator = estimator
         self.clip_low = clip_low
         self.clip_high = clip_high
@@ -87,14 +103,27 @@ class GRPOAlgorithm:
             return []
         dense: dict[int, int] = {}
         group_index = torch.tensor([dense.setdefault(s.group_id, len(dense)) for s in samples], dtype=torch.long)
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        rewards = torch.tensor([self.reward(s) for s in samples], dtype=torch.float64)
         tokens = torch.tensor([sum(s.loss_mask) for s in samples], dtype=torch.float64)
         scalar = ADVANTAGE_ESTIMATORS[self.estimator](rewards, group_index, tokens, self.eps).tolist()
         return [[scalar[i]] * len(s.response_ids) for i, s in enumerate(samples)]
 
+    def reward(self, sample: Sample) -> float:
+        """The reward the estimator sees: minus ``kl_coef · Σ_t kl_t`` (behaviour vs reference
+        log-probs) when the KL is in the reward."""
+        if not self.uses_reference or self.kl_in != "reward":
+            return sample.reward
+        if len(sample.ref_logprobs) != len(sample.response_ids):
+            raise ValueError(f"sample {sample.uid!r} has no reference log-probs (KL in the reward needs them)")
+        kl = sequence_kl(sample.behav_logprobs, sample.ref_logprobs, sample.loss_mask, self.kl_estimator)
+        return sample.reward - self.kl_coef * kl
+
     def loss(self, inputs: LossInputs) -> LossOutputs:
-        """The configured policy loss over one micro-batch (``[tokens]`` inputs), step-wide normalised."""
-        return POLICY_LOSSES[self.policy_loss](inputs, **self._loss_kwargs)
+        """The configured policy loss over one micro-batch (``[tokens]`` inputs), step-wide
+        normalised, plus the KL (in-loss) and entropy terms."""
+        out = POLICY_LOSSES[self.policy_loss](inputs, **self._loss_kwargs)
+        kl_coef = self.kl_coef if self.kl_in == "loss" else 0.0
+        return add_regularizers(out, inputs, self.loss_agg_mode, kl_coef, self.kl_estimator, self.entropy_coef)
 
     def normaliser(self, samples: Sequence[Sample]) -> float:
         """Step-wide denominator: loss tokens (token-mean) or non-empty sequences (seq-mean-*)."""

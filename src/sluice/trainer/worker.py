@@ -20,7 +20,7 @@ import torch
 from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, WeightSync
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
-from sluice.queue.samples import SAMPLE_COLUMNS, group_rows, rows_to_samples
+from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.step import InOrderPacker, step_normaliser
 from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule, proximal_logprobs, train_global_batch
@@ -72,7 +72,8 @@ class TrainerWorker:
         start = time.perf_counter()
         with self.tracer.span("wait_data", lane="trainer", groups=len(group_ids)):
             rows = [i for gid in group_ids for i in group_rows(gid, self.group_size)]
-            batch = self.queue.get(TRAIN_TASK, SAMPLE_COLUMNS, len(rows), indices=rows, min_size=len(rows))
+            columns = train_columns(self.algorithm.uses_reference)
+            batch = self.queue.get(TRAIN_TASK, columns, len(rows), indices=rows, min_size=len(rows))
         self._timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
         samples = sorted(rows_to_samples(batch), key=lambda s: position[s.group_id])
