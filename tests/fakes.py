@@ -7,7 +7,9 @@ Product code never imports this module. The simulation engine for benchmarks liv
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.api import Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
@@ -171,3 +173,33 @@ class FakePipeline:
 def short_only_reward(response: str, *, bucket: str = "short", **_: Any) -> float:
     """``length_reward`` on short prompts, a constant 0 on long ones: long groups carry no signal."""
     return length_reward(response) if bucket == "short" else 0.0
+
+
+@dataclass(frozen=True)
+class FaultyReward:
+    """A ``RewardFn`` that fails on long prompts (``bucket='long'``; on every prompt when
+    ``always``) and otherwise returns ``length_reward``. ``mode`` picks the failure: ``raise``,
+    ``nan``, ``text`` (returns a string) or ``hang`` (sleeps ``hang_s``). Picklable, so it runs
+    in reward processes."""
+
+    mode: str
+    always: bool = False
+    hang_s: float = 60.0
+
+    def __call__(self, response: str, *, bucket: str = "short", **_: Any) -> Any:
+        if not self.always and bucket != "long":
+            return length_reward(response)
+        if self.mode == "raise":
+            raise ValueError("scripted reward failure")
+        if self.mode == "nan":
+            return float("nan")
+        if self.mode == "text":
+            return "1.0"
+        time.sleep(self.hang_s)
+        return 1.0
+
+
+async def async_length_reward(response: str, **fields: Any) -> float:
+    """``length_reward`` as a coroutine (async rewards are part of the ``RewardFn`` contract)."""
+    await asyncio.sleep(0)
+    return length_reward(response, **fields)

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,9 @@ from sluice.controller.sync_loop import run_sync
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.rewards import build_reward_service
 from sluice.rollout.evaluate import EvalResult, evaluate
+from sluice.rollout.filters import reward_failure
 from sluice.rollout.single_turn import SingleTurnWorkflow, group_stats
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
@@ -75,6 +78,9 @@ class RLTrainer:
         self.model_dir: Path | None = None
         self._buffer: list[Sample] = []
         self._next_group = 0
+        self._trained_groups = 0
+        self.discards: Counter[str] = Counter()
+        """``run.mode: sync``: samples of groups dropped because a reward failed, per reason."""
         self._engines_ready = False
         self._data_ready = False
         self.loop_seconds = 0.0
@@ -100,6 +106,7 @@ class RLTrainer:
         in_process = cfg.run.mode == "sync" or not train
         if in_process:
             self.engine = HFInferenceEngine(load_causal_lm(self.model_dir), max_batch=cfg.rollout.max_batch)
+            self.reward_service = build_reward_service(cfg.reward, self.reward)
         if in_process and train:
             self.train_engine = HFTrainEngine(load_causal_lm(self.model_dir), **self.train_engine_kwargs)
         self.algorithm = GRPOAlgorithm(
@@ -162,6 +169,7 @@ class RLTrainer:
         order = list(dict.fromkeys(s.group_id for s in self._buffer))  # arrival order, unique
         chosen = set(order[:num_groups])
         batch = [s for s in self._buffer if s.group_id in chosen]
+        self._trained_groups += len(chosen)
         self._buffer = [s for s in self._buffer if s.group_id not in chosen]
         return batch
 
@@ -184,12 +192,22 @@ class RLTrainer:
         return groups
 
     def generate(self, groups: Sequence[tuple[PromptItem, int]]) -> list[Sample]:
+        """Generate and score ``groups``; a group whose reward failed is dropped and counted."""
+
         async def _all() -> list[list[Sample]]:
-            runs = (self.workflow.run(item, gid, self.engine, self.reward) for item, gid in groups)
+            runs = (self.workflow.run(item, gid, self.engine, self.reward_service) for item, gid in groups)
             return await asyncio.gather(*runs)
 
         with self.rollout_tracer.span("generate", lane="engine", groups=len(groups)):
-            return [s for group in asyncio.run(_all()) for s in group]
+            scored = asyncio.run(_all())
+        kept = []
+        for group in scored:
+            reason = reward_failure(group)
+            if reason is None:
+                kept.extend(group)
+            else:
+                self.discards[reason] += len(group)
+        return kept
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
         with self.trainer_tracer.span("train_step", lane="trainer", samples=len(samples)):
@@ -205,7 +223,7 @@ class RLTrainer:
     def evaluate(self) -> EvalResult:
         """Greedy accuracy of the inference engine's current weights on the held-out set."""
         self._require_data()
-        return evaluate(self.engine, self.eval_items, self.tokenizer, self.reward, self.max_new_tokens)
+        return evaluate(self.engine, self.eval_items, self.tokenizer, self.reward_service, self.max_new_tokens)
 
     @property
     def train_engine_kwargs(self) -> dict[str, Any]:
@@ -271,13 +289,16 @@ class RLTrainer:
         started = time.monotonic()
         run_sync(self, self.config.run.steps, self.config.rollout.prompts_per_step, after_step)
         self.loop_seconds = time.monotonic() - started
-        groups = self.version * self.config.rollout.prompts_per_step
-        self.metrics.log("fates", groups_trained=groups, staleness_0=groups)  # sync: every sample on-policy
+        groups = self._trained_groups
+        discards = {f"discarded_{reason}": float(n) for reason, n in self.discards.items()}
+        self.metrics.log("fates", groups_trained=groups, staleness_0=groups, **discards)  # sync: all on-policy
+        self.metrics.log("rewards", **self.reward_service.stats())
         if self.config.run.trace:
             events = self.rollout_tracer.drain() + self.trainer_tracer.drain()
             write_chrome_trace(self.run_dir / "trace.json", [events])
             self.metrics.log("trace", **trace_numbers(events))
         final = self.log_eval(self.evaluate())
+        self.reward_service.close()
         self.train_engine.save(str(self.final_model_dir))
         return base, final
 

@@ -4,7 +4,15 @@ Importable without torch or any engine library; it defines shapes of data and ca
 behaviour. Tensors appear only as annotations (``"torch.Tensor"``) so this package stays light.
 """
 
-from sluice.api.protocols import Algorithm, InferenceEngine, Replica, RewardFn, TrainEngine, WeightSync
+from sluice.api.protocols import (
+    Algorithm,
+    InferenceEngine,
+    Replica,
+    RewardFailure,
+    RewardFn,
+    TrainEngine,
+    WeightSync,
+)
 from sluice.api.queue import AsyncQueueClient, Batch, Policy, QueueClient, RowMeta, StorageUnit
 from sluice.api.types import (
     Completion,
@@ -33,6 +41,7 @@ __all__ = [
     "PromptItem",
     "QueueClient",
     "Replica",
+    "RewardFailure",
     "RewardFn",
     "RowMeta",
     "Sample",

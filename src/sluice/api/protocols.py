@@ -145,3 +145,15 @@ class RewardFn(Protocol):
     """
 
     def __call__(self, response: str, **fields: Any) -> float | Awaitable[float]: ...
+
+
+class RewardFailure(Exception):
+    """Raised by a reward call that produced no usable number (it raised, timed out, or returned
+    NaN / a non-number). ``reason`` (``reward_<kind>:<name>``) becomes the discard reason of the
+    sample's group: the run goes on without it."""
+
+    def __init__(self, kind: str, name: str, detail: str) -> None:
+        super().__init__(f"reward {name!r} failed ({kind}): {detail}")
+        self.kind = kind
+        self.name = name
+        self.reason = f"reward_{kind}:{name}"

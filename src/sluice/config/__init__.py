@@ -3,6 +3,7 @@
 from sluice.config.loading import ConfigError, dump_config, load_config, validate_config
 from sluice.config.models import (
     ModelConfig,
+    RewardConfig,
     RolloutConfig,
     RunConfig,
     SluiceConfig,
@@ -13,6 +14,7 @@ from sluice.config.models import (
 __all__ = [
     "ConfigError",
     "ModelConfig",
+    "RewardConfig",
     "RolloutConfig",
     "RunConfig",
     "SluiceConfig",

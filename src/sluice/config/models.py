@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -166,6 +166,53 @@ class TrainerConfig(_Section):
     micro-batches let the streaming trainer start earlier in a step."""
 
 
+class RewardConfig(_Section):
+    name: Literal["exact_match", "math_verify", "code_exec"] | None = None
+    """Reward function: ``null`` uses the task's own (or the one passed to ``RLTrainer``);
+    ``exact_match`` (response equals the row's ``answer``), ``math_verify`` (mathematically equal
+    to ``answer``; needs ``pip install 'sluice[math]'``), ``code_exec`` (the response's Python
+    code plus the row's ``tests`` runs cleanly in the sandbox). See docs/rewards.md."""
+
+    pool_size: int = Field(default=2, ge=0)
+    """Reward worker processes per rollout worker, so scoring never blocks generation. 0 runs
+    the reward in a thread of the rollout worker (for rewards that cannot be pickled, e.g.
+    closures; a hung call then leaks its thread)."""
+
+    start_method: Literal["forkserver", "spawn"] = "forkserver"
+    """How reward processes start (never ``fork``: the parent runs torch threads). ``spawn``
+    where forkserver is unavailable."""
+
+    timeout_s: float = Field(default=30.0, gt=0.0)
+    """Per-call reward timeout: a call still running is killed, counted as
+    ``reward_timeout:<name>`` and its group discarded with that reason."""
+
+    sandbox_cpu_s: int = Field(default=5, ge=1)
+    """``code_exec``: CPU seconds a program may use (RLIMIT_CPU)."""
+
+    sandbox_memory_mb: int = Field(default=512, ge=16)
+    """``code_exec``: address-space limit of a program in MiB (RLIMIT_AS)."""
+
+    sandbox_wall_s: float = Field(default=10.0, gt=0.0)
+    """``code_exec``: wall-clock seconds before a program's whole session is killed (keep it
+    below ``timeout_s``)."""
+
+    sandbox_output_kb: int = Field(default=1024, ge=1)
+    """``code_exec``: largest stdout / stderr a program may write, in KiB (RLIMIT_FSIZE)."""
+
+    sandbox_network: Literal["isolate", "allow"] = "isolate"
+    """``code_exec``: ``isolate`` runs programs in a private network namespace (``unshare -rn``;
+    the run stops with a clear error where the host forbids it); ``allow`` gives them the
+    host's network (trusted code only)."""
+
+    @model_validator(mode="after")
+    def _sandbox_inside_timeout(self) -> RewardConfig:
+        if self.name == "code_exec" and self.sandbox_wall_s >= self.timeout_s:
+            raise ValueError(
+                f"reward.sandbox_wall_s ({self.sandbox_wall_s}) must be below reward.timeout_s ({self.timeout_s})"
+            )
+        return self
+
+
 class RunConfig(_Section):
     name: str = "default"
     """Run name: outputs go to ``<output_dir>/<name>/``."""
@@ -230,6 +277,9 @@ class SluiceConfig(_Section):
 
     trainer: TrainerConfig = TrainerConfig()
     """Optimisation."""
+
+    reward: RewardConfig = RewardConfig()
+    """Reward function and the reward service that runs it."""
 
     run: RunConfig = RunConfig()
     """Run control and outputs."""

@@ -37,6 +37,7 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         update_schedule=trainer.update_schedule,
         weight_update=cfg.rollout.weight_update,
         group_filter=FILTERS[cfg.rollout.filter_groups],
+        reward_config=cfg.reward,
         rollout_threads=cfg.run.rollout_threads,
         trainer_threads=cfg.run.trainer_threads,
         trace=cfg.run.trace,
@@ -79,6 +80,7 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
             engine_checksum=e_sum,
             **{f"engine_{k}": engine[k] for k in ENGINE_SYNC_STATS if k in engine},
         )
+        trainer.metrics.log("rewards", **{k: v for k, v in engine.items() if k.startswith("reward_")})
         if cfg.run.trace:
             events = await pipeline.trace_events()
             write_chrome_trace(trainer.run_dir / "trace.json", [events])

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams
+from sluice.config.models import RewardConfig
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.samples import train_columns
 from sluice.rollout.evaluate import EvalResult
@@ -47,6 +48,7 @@ class PipelineSpec:
     micro_batch_tokens: int
     weight_update: str
     group_filter: GroupFilter | None = None
+    reward_config: RewardConfig | None = None
     rollout_threads: int = 1
     trainer_threads: int = 1
     trace: bool = True
@@ -118,6 +120,7 @@ class LocalPipeline(_Pipeline):
 
     def close(self) -> None:
         self.queue.close()
+        self.rollout_worker.close()
         self._thread.shutdown(wait=True)
         self._reference.shutdown(wait=True)
 
@@ -222,6 +225,7 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "run_seed": spec.run_seed,
         "max_batch": spec.max_batch,
         "group_filter": spec.group_filter,
+        "reward_config": spec.reward_config,
         "threads": spec.rollout_threads,
         "trace": spec.trace,
     }

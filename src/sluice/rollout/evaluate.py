@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.api import GenerationRequest, InferenceEngine, PromptItem, RewardFn, SamplingParams
+from sluice.api import GenerationRequest, InferenceEngine, PromptItem, RewardFailure, RewardFn, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ async def evaluate_async(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
     requests = [GenerationRequest(f"eval-{it.index}", it.prompt_ids, params) for it in items]
     completions = await asyncio.gather(*(engine.generate(r) for r in requests))
-    rewards = []
-    for item, c in zip(items, completions, strict=True):
-        value = reward(tokenizer.decode(list(c.token_ids), skip_special_tokens=True), **item.fields)
-        rewards.append(float(await value) if inspect.isawaitable(value) else float(value))
+    texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
+    rewards = await asyncio.gather(
+        *(_score(reward, text, item.fields) for item, text in zip(items, texts, strict=True))
+    )
     hits = [r >= threshold for r in rewards]
     buckets: dict[str, list[bool]] = {}
     for item, hit in zip(items, hits, strict=True):
@@ -65,3 +65,11 @@ async def evaluate_async(
         count=len(items),
         by_bucket={k: sum(v) / len(v) for k, v in sorted(buckets.items())},
     )
+
+
+async def _score(reward: RewardFn, response: str, fields: dict[str, Any]) -> float:
+    try:
+        value = reward(response, **fields)
+        return float(await value) if inspect.isawaitable(value) else float(value)
+    except RewardFailure:  # counted by the reward service; an answer that cannot be scored is no hit
+        return 0.0

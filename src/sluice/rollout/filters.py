@@ -20,4 +20,10 @@ def zero_signal(samples: Sequence[Sample]) -> str | None:
     return "zero_signal" if len(rewards) <= 1 else None
 
 
+def reward_failure(samples: Sequence[Sample]) -> str | None:
+    """Discard a group one of whose rewards failed (raised, timed out, not a finite number): the
+    first failure's ``reward_<kind>:<name>`` reason. Applied before any configured filter."""
+    return next((s.meta["reward_failure"] for s in samples if "reward_failure" in s.meta), None)
+
+
 FILTERS: dict[str, GroupFilter | None] = {"none": None, "zero_signal": zero_signal}

@@ -19,6 +19,7 @@ from sluice.api import (
     GenerationRequest,
     InferenceEngine,
     PromptItem,
+    RewardFailure,
     RewardFn,
     Sample,
     SamplingParams,
@@ -58,22 +59,31 @@ class SingleTurnWorkflow:
             for k in range(self.group_size)
         ]
         completions = await asyncio.gather(*(engine.generate(r) for r in requests))
-        rewards = await asyncio.gather(*(self._score(c, item, reward) for c in completions))
+        scores = await asyncio.gather(*(self._score(c, item, reward) for c in completions))
         return [
-            self._to_sample(c, r, item, group_id, k) for k, (c, r) in enumerate(zip(completions, rewards, strict=True))
+            self._to_sample(c, score, item, group_id, k)
+            for k, (c, score) in enumerate(zip(completions, scores, strict=True))
         ]
 
     def decode(self, completion: Completion) -> str:
         return self.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
 
-    async def _score(self, completion: Completion, item: PromptItem, reward: RewardFn) -> float:
-        value = reward(self.decode(completion), **item.fields)
-        if inspect.isawaitable(value):
-            value = await value
+    async def _score(self, completion: Completion, item: PromptItem, reward: RewardFn) -> float | RewardFailure:
+        """The reward, or the ``RewardFailure`` it raised (counted by the reward service; the
+        rollout worker discards the group)."""
+        try:
+            value = reward(self.decode(completion), **item.fields)
+            if inspect.isawaitable(value):
+                value = await value
+        except RewardFailure as failure:
+            return failure
         return float(value)
 
     @staticmethod
-    def _to_sample(c: Completion, reward: float, item: PromptItem, group_id: int, k: int) -> Sample:
+    def _to_sample(c: Completion, score: float | RewardFailure, item: PromptItem, group_id: int, k: int) -> Sample:
+        meta: dict[str, Any] = {"prompt_index": item.index, "finish_reason": c.finish_reason}
+        if isinstance(score, RewardFailure):
+            meta["reward_failure"] = score.reason
         return Sample(
             uid=f"{group_id}-{k}",
             group_id=group_id,
@@ -82,8 +92,8 @@ class SingleTurnWorkflow:
             behav_logprobs=c.logprobs,
             token_versions=c.versions,
             loss_mask=(1,) * len(c.token_ids),
-            reward=reward,
-            meta={"prompt_index": item.index, "finish_reason": c.finish_reason},
+            reward=float("nan") if isinstance(score, RewardFailure) else score,
+            meta=meta,
         )
 
 

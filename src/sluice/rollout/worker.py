@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.config.models import RewardConfig
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.queue.samples import samples_to_rows
+from sluice.rewards import build_reward_service
 from sluice.rollout.evaluate import EvalResult, evaluate_async
-from sluice.rollout.filters import GroupFilter
+from sluice.rollout.filters import GroupFilter, reward_failure
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
 
@@ -41,6 +43,7 @@ class RolloutWorker:
         run_seed: int,
         max_batch: int,
         group_filter: GroupFilter | None = None,
+        reward_config: RewardConfig | None = None,
         threads: int = 1,
         trace: bool = True,
         name: str = "rollout",
@@ -55,7 +58,7 @@ class RolloutWorker:
         self.params = params
         self.workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed) if params else None
         self.queue = queue
-        self.reward = reward
+        self.reward = build_reward_service(reward_config or RewardConfig(), reward)
         self.group_size = group_size
         self.group_filter = group_filter
         self.tracer = SpanRecorder(name, enabled=trace)
@@ -79,7 +82,7 @@ class RolloutWorker:
         assert self.workflow is not None, "worker built without sampling params"
         with self.tracer.span("generate", lane=f"group{group_id % 8}", group=group_id):
             samples = await self.workflow.run(item, group_id, self.engine, self.reward)
-        reason = self.group_filter(samples) if self.group_filter else None
+        reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)
         if reason is None:
             indices, columns, meta = samples_to_rows(samples, self.group_size)
             with self.tracer.span("queue_put", lane="queue", group=group_id):
@@ -110,7 +113,8 @@ class RolloutWorker:
             return await evaluate_async(self.engine, items, self.tokenizer, self.reward, max_new_tokens)
 
     def engine_stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        """The engine's counters and the reward service's (``reward_*``)."""
+        return {**self.engine.stats(), **self.reward.stats()}
 
     def weights_fingerprint(self) -> tuple[int, float]:
         """(version the engine holds, float64 sum of its parameters)."""
@@ -118,3 +122,7 @@ class RolloutWorker:
 
     def drain_trace(self) -> list[dict[str, Any]]:
         return self.tracer.drain()
+
+    def close(self) -> None:
+        """Stop the reward processes (a killed Ray actor's reward processes exit on their own)."""
+        self.reward.close()

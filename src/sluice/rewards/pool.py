@@ -1,0 +1,172 @@
+"""A pool of reward processes driven from an event loop, with a hard per-call timeout.
+
+Each worker is a ``spawn`` or ``forkserver`` process (never ``fork``: the parent has usually
+started torch's thread pools, and a forked copy of their locks can deadlock) that runs one call
+at a time and answers over a pipe. The event loop waits on the pipe's file descriptor, so a
+slow reward never blocks generation. A call that runs past its timeout, or whose caller is
+cancelled, gets its worker killed and replaced: a hung reward cannot keep a pool slot.
+
+This module moves calls and results; it does not judge them (``service.py`` classifies
+failures and counts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+StartMethod = Literal["forkserver", "spawn"]
+
+STARTUP_TIMEOUT_S = 120.0
+"""How long a new worker may take to start (imports included) before it counts as crashed; a
+reward's own timeout starts only once its worker is up."""
+
+
+class RewardCallError(Exception):
+    """The reward raised (``kind='raised'``) or its worker died (``kind='crashed'``)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def call_reward(fn: Callable[..., Any], response: str, fields: Mapping[str, Any]) -> Any:
+    """Call a sync or async reward to completion in this thread (no running event loop here)."""
+    value = fn(response, **fields)
+    if inspect.isawaitable(value):
+
+        async def _await() -> Any:
+            return await value
+
+        value = asyncio.run(_await())
+    return value
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's loop: one ``(fn, response, fields)`` in, one ``(ok, value-or-traceback)`` out."""
+    conn.send(True)  # started: from now on the caller's timeout measures the reward alone
+    while True:
+        try:
+            fn, response, fields = conn.recv()
+        except EOFError:  # the parent closed the pipe or died: nothing left to do
+            return
+        try:
+            conn.send((True, call_reward(fn, response, fields)))
+        except Exception as exc:  # deliberate: any reward error goes back to be counted
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            conn.send((False, detail))
+
+
+@dataclass
+class _Worker:
+    process: BaseProcess
+    conn: Connection
+    started: bool = False
+
+
+class RewardPool:
+    """``size`` worker processes; ``await pool.call(fn, response, fields, timeout)``.
+
+    ``fn`` must be picklable by reference (a module-level function or an instance of a
+    module-level class). Workers start lazily, on the first call.
+    """
+
+    def __init__(self, size: int, start_method: StartMethod = "forkserver") -> None:
+        if size < 1:
+            raise ValueError(f"reward pool size must be >= 1, got {size}")
+        self.size = size
+        self._ctx = multiprocessing.get_context(start_method)
+        self._idle: asyncio.Queue[_Worker] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._workers: list[_Worker] = []
+        self.replaced = 0
+        """Workers killed (timeout, cancellation) or found dead, and started anew."""
+
+    async def call(self, fn: Callable[..., Any], response: str, fields: Mapping[str, Any], timeout: float) -> Any:
+        """The reward's return value; ``TimeoutError`` past ``timeout`` s; ``RewardCallError``
+        when it raised or its worker died."""
+        idle = self._idle_workers()
+        worker = await idle.get()
+        healthy = False
+        try:
+            await self._wait_started(worker)
+            worker.conn.send((fn, response, dict(fields)))
+            ok, value = await asyncio.wait_for(self._receive(worker.conn), timeout)
+            healthy = True
+        except EOFError as exc:
+            raise RewardCallError("crashed", f"reward worker exited with code {worker.process.exitcode}") from exc
+        finally:
+            if not healthy:  # timed out, cancelled, crashed or unpicklable: never reuse it
+                worker = self._replace(worker)
+            idle.put_nowait(worker)
+        if not ok:
+            raise RewardCallError("raised", value)
+        return value
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        for worker in self._workers:
+            worker.conn.close()
+            worker.process.kill()
+            worker.process.join(timeout=5)
+        self._workers.clear()
+        self._idle = self._loop = None
+
+    def _idle_workers(self) -> asyncio.Queue[_Worker]:
+        """The idle-worker queue of the running loop (a caller may run one ``asyncio.run`` per
+        step: the processes outlive each loop, the queue cannot)."""
+        loop = asyncio.get_running_loop()
+        if self._idle is None or self._loop is not loop:
+            while len(self._workers) < self.size:
+                self._start()
+            self._idle, self._loop = asyncio.Queue(), loop
+            for worker in self._workers:
+                self._idle.put_nowait(worker)
+        return self._idle
+
+    def _start(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_serve, args=(child,), daemon=True, name="sluice-reward")
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        self._workers.append(worker)
+        return worker
+
+    async def _wait_started(self, worker: _Worker) -> None:
+        if worker.started:
+            return
+        try:
+            await asyncio.wait_for(self._receive(worker.conn), STARTUP_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise RewardCallError("crashed", f"reward worker did not start within {STARTUP_TIMEOUT_S} s") from exc
+        worker.started = True
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.conn.close()
+        worker.process.kill()
+        worker.process.join(timeout=5)
+        self._workers.remove(worker)
+        self.replaced += 1
+        return self._start()
+
+    @staticmethod
+    async def _receive(conn: Connection) -> Any:
+        """The next message on ``conn``, waiting on its descriptor without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        fd = conn.fileno()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+        return conn.recv()  # results are small and written in one go: this does not block

@@ -1,0 +1,98 @@
+"""The reward service: scores responses off the event loop, with a timeout, and counts failures.
+
+``RewardService(fn, ...)`` is itself a ``RewardFn`` (an async callable), so workflows call it
+like any reward. It runs ``fn`` in a ``RewardPool`` of processes (``pool_size >= 1``) or, with
+``pool_size = 0``, in a thread of this process (for rewards that cannot be pickled; a hung
+one then leaks its thread, but the call still times out).
+
+A call that raises, runs past ``timeout_s``, or returns something that is not a finite number
+raises ``RewardFailure`` whose ``reason`` (``reward_error:NAME``, ``reward_timeout:NAME``,
+``reward_invalid:NAME``) becomes the discard reason of the sample's group; every failure is
+also counted here per function. The service does not decide what happens to the group: the
+rollout worker does (``rollout.filters.reward_failure``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import numbers
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sluice.api import RewardFailure
+from sluice.rewards.pool import RewardCallError, RewardPool, StartMethod, call_reward
+
+log = logging.getLogger(__name__)
+
+
+def reward_name(fn: Callable[..., Any]) -> str:
+    """The name failures are counted under: a function's ``__name__``, else its class's."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class RewardService:
+    """``await service(response, **fields) -> float``; failures raise ``RewardFailure``."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        pool_size: int = 2,
+        timeout_s: float = 30.0,
+        start_method: StartMethod = "forkserver",
+        name: str | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        self.fn = fn
+        self.__name__ = name or reward_name(fn)
+        self.timeout_s = timeout_s
+        self.pool = RewardPool(pool_size, start_method) if pool_size > 0 else None
+        self.calls: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        """Failures per ``reward_<kind>:<name>`` reason."""
+        self.seconds = 0.0
+
+    async def __call__(self, response: str, **fields: Any) -> float:
+        started = time.perf_counter()
+        self.calls[self.__name__] += 1
+        try:
+            value = await self._run(response, fields)
+        finally:
+            self.seconds += time.perf_counter() - started
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise self._failed("invalid", f"returned {value!r}, not a finite number")
+        return float(value)
+
+    async def _run(self, response: str, fields: Mapping[str, Any]) -> Any:
+        try:
+            if self.pool is not None:
+                return await self.pool.call(self.fn, response, fields, self.timeout_s)
+            return await asyncio.wait_for(asyncio.to_thread(call_reward, self.fn, response, fields), self.timeout_s)
+        except TimeoutError as exc:
+            raise self._failed("timeout", f"no result within {self.timeout_s} s") from exc
+        except RewardCallError as exc:
+            raise self._failed("error", exc.detail) from exc
+        except Exception as exc:  # pool_size = 0: the reward's own exception, counted like a pool's
+            if self.pool is not None:
+                raise
+            raise self._failed("error", f"{type(exc).__name__}: {exc}") from exc
+
+    def _failed(self, kind: str, detail: str) -> RewardFailure:
+        failure = RewardFailure(kind, self.__name__, detail)
+        self.failures[failure.reason] += 1
+        log.warning("%s", failure)
+        return failure
+
+    def stats(self) -> dict[str, float]:
+        """``reward_calls``, ``reward_seconds`` and one ``reward_<kind>:<name>`` count per failure."""
+        failures = {reason: float(n) for reason, n in self.failures.items()}
+        return {"reward_calls": float(sum(self.calls.values())), "reward_seconds": self.seconds, **failures}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
