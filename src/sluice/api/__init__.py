@@ -7,6 +7,7 @@ behaviour. Tensors appear only as annotations (``"torch.Tensor"``) so this packa
 from sluice.api.protocols import (
     Algorithm,
     InferenceEngine,
+    LengthPredictor,
     Replica,
     RewardFailure,
     RewardFn,
@@ -34,6 +35,7 @@ __all__ = [
     "GenerationRequest",
     "GroupReport",
     "InferenceEngine",
+    "LengthPredictor",
     "LossInputs",
     "LossOutputs",
     "MicroBatch",

@@ -137,6 +137,21 @@ class WeightSync(Protocol):
     def latest_version(self) -> int: ...
 
 
+@runtime_checkable
+class LengthPredictor(Protocol):
+    """Predicts how long the responses to a prompt will be, learning online from the lengths the
+    policy actually produced (StreamRL's output-length ranker). Schedulers use only the ranking
+    of the predictions (longest first, the predicted long tail), never their scale."""
+
+    def predict(self, prompts: Sequence[Sequence[int]]) -> list[float]:
+        """Predicted response length (tokens) of each prompt (token ids), aligned with ``prompts``."""
+        ...
+
+    def observe(self, prompt_ids: Sequence[int], length: int) -> None:
+        """Learn from one finished response: ``length`` tokens generated for ``prompt_ids``."""
+        ...
+
+
 class RewardFn(Protocol):
     """A reward: the decoded response plus the dataset row's fields → a float (sync or async).
 

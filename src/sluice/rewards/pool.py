@@ -83,7 +83,11 @@ class RewardPool:
         if size < 1:
             raise ValueError(f"reward pool size must be >= 1, got {size}")
         self.size = size
-        self._ctx = multiprocessing.get_context(start_method)
+        self._ctx = (
+            multiprocessing.get_context("spawn")
+            if start_method == "spawn"
+            else multiprocessing.get_context("forkserver")
+        )
         self._idle: asyncio.Queue[_Worker] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
@@ -164,7 +168,12 @@ class RewardPool:
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         fd = conn.fileno()
-        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(fd, wake)
         try:
             await ready
         finally:
