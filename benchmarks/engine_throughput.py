@@ -13,14 +13,13 @@ seeds), so the difference is pure scheduling. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from sluice.api import GenerationRequest, SamplingParams
+from sluice.bench.report import write_results
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.rollout.single_turn import sample_seed
@@ -86,10 +85,7 @@ def main() -> None:
             f"{r['mode']:<11} {r['requests']:>8} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>8.0f} "
             f"{r['tokens_per_s'] / base:>6.2f}x  {r['len_p50']:>3}/{r['len_max']:<7}  {r['same_tokens_as_static']}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, args, rows)
 
 
 if __name__ == "__main__":

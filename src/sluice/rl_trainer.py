@@ -234,6 +234,9 @@ class RLTrainer:
             "weight_decay": t.weight_decay,
             "grad_clip": t.grad_clip,
             "temperature": self.config.rollout.temperature,
+            "layout": t.layout,
+            "share_prompts": t.share_prompts,
+            "pack_row_tokens": t.pack_row_tokens,
         }
 
     @property

@@ -147,6 +147,14 @@ def pad_batch(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Ten
         "response_mask": response_mask,
         "logit_rows": torch.tensor(rows, dtype=torch.long),
         "logit_cols": torch.tensor(cols, dtype=torch.long),
+        **response_tensors(samples),
+    }
+
+
+def response_tensors(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    """The per-response-token signals of ``samples`` flattened in order (any layout): ``targets``,
+    ``loss_mask``, ``behav_logprobs`` ``[N]`` and ``response_lengths`` ``[B]``."""
+    return {
         "targets": torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.long),
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool),
         "behav_logprobs": torch.tensor([x for s in samples for x in s.behav_logprobs], dtype=torch.float32),
