@@ -146,13 +146,13 @@ def test_engine_fills_reference_logprobs_and_entropies():
     from sluice.api.types import MicroBatch
 
     mb = MicroBatch((s,), ((1.0,) * 3,), (s.behav_logprobs,), 3.0)
-    inputs = engine._loss_inputs(mb, with_entropy=True)
+    inputs = engine._loss_inputs(mb, [[0]], with_entropy=True)
     assert inputs.ref_logp.tolist() == [-1.0, -2.0, -3.0]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0, 2:5]
     assert inputs.entropy.tolist() == pytest.approx(token_entropy(torch.log_softmax(logits, -1)).tolist(), abs=1e-5)
     assert inputs.entropy.requires_grad
-    assert engine._loss_inputs(mb).entropy is None
+    assert engine._loss_inputs(mb, [[0]]).entropy is None
 
 
 def test_reference_worker_writes_the_column_the_trainer_waits_for(tmp_path):
