@@ -97,3 +97,26 @@ def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_pa
     assert fates["groups_trained"] == 12  # every step still got B groups: discards returned their credit
     assert fates["discarded_zero_signal"] >= 4  # ~30 % of prompts are long: whole groups of 4 dropped
     assert all(r["groups_with_signal"] == 1.0 for r in records if r["kind"] == "train")
+
+
+def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster):
+    """η = 0 makes the step's samples independent of timing, so two trainer ranks (gradients
+    summed by all-reduce, token-mean over the whole step) must match one trainer up to float
+    rounding; the ranks stay identical and the engine holds rank 0's weights."""
+    common = ["run.mode=async", "run.backend=ray", "rollout.max_staleness=0", "run.steps=2"]
+    one, one_weights = _run(model_dir, tmp_path, "dp1", *common)
+    two, two_weights = _run(model_dir, tmp_path, "dp2", *common, "trainer.data_parallel=2")
+    assert _train(two, "step", "trained_tokens", "reward_mean") == _train(one, "step", "trained_tokens", "reward_mean")
+    for (loss1, norm1), (loss2, norm2) in zip(
+        _train(one, "loss", "grad_norm"), _train(two, "loss", "grad_norm"), strict=True
+    ):
+        assert loss2 == pytest.approx(loss1, abs=1e-6) and norm2 == pytest.approx(norm1, rel=1e-5)
+    for name, value in one_weights.items():
+        torch.testing.assert_close(two_weights[name], value, atol=1e-6, rtol=1e-5)
+    weights = next(r for r in two if r["kind"] == "weights")  # fingerprints() checks the ranks agree
+    assert weights["engine_version"] == weights["trainer_version"] == 2
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
+    trace = json.loads((tmp_path / "dp2" / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    rank1 = {e["pid"] for e in events if e.get("ph") == "M" and e.get("args", {}).get("name") == "trainer1"}
+    assert any(e.get("name") == "train_microbatch" and e.get("pid") in rank1 for e in events), "rank 1 never trained"

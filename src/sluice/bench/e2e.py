@@ -1,10 +1,11 @@
 """``sluice bench e2e``: sync vs streaming vs asynchronous training on the same sample budget.
 
-Four full runs of the same config in one process, differing only in the pipeline: ``sync``;
+Full runs of the same config in one process, differing only in the pipeline: ``sync``;
 streaming at η = 0 (overlap inside a step only: the queue's own gain, AsyncFlow's ablation);
-η = 1; η = 4. Each row reports **trained** response tokens per second of training loop (tokens
-generated but never trained do not count), loop wall time, the trainer's idle fraction, the
-exposed weight-sync time (seconds generation or training waited for weights), the realised
+η = 1; η = 4; η = 1 with two data-parallel trainer ranks (the trainer is the bottleneck of the
+default run, and a second rank uses the core the rollout worker leaves idle). Each row reports
+**trained** response tokens per second of training loop (tokens generated but never trained do
+not count), loop wall time, the trainer's idle fraction, the exposed weight-sync time (seconds generation or training waited for weights), the realised
 staleness histogram (from the run's trace and ledger), and final held-out accuracy.
 Prints a table and writes JSON. It measures; it asserts nothing.
 """
@@ -22,6 +23,7 @@ VARIANTS: dict[str, list[str]] = {
     "stream η=0": ["run.mode=async", "rollout.max_staleness=0"],
     "async η=1": ["run.mode=async", "rollout.max_staleness=1"],
     "async η=4": ["run.mode=async", "rollout.max_staleness=4"],
+    "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "trainer.data_parallel=2"],
 }
 
 
@@ -75,7 +77,7 @@ def _row(name: str, result: Any) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["trained_tokens_per_s"] if rows else 1.0
     head = (
-        f"{'variant':<11} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6}  "
+        f"{'variant':<13} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6}  "
         f"{'staleness':<22} {'acc':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -84,7 +86,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         hist = " ".join(f"{k}:{int(v)}" for k, v in sorted(r["staleness"].items(), key=lambda kv: int(kv[0])))
         acc = f"{100 * r['base_accuracy']:.1f}→{100 * r['final_accuracy']:.1f}"
         lines.append(
-            f"{r['variant']:<11} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
+            f"{r['variant']:<13} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
             f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5} "
             f"{r['exposed_weight_sync_s']:>6.2f}  {hist:<22} {acc:>11}"
         )

@@ -165,6 +165,13 @@ class TrainerConfig(_Section):
     with step-wide normalisation, so this changes memory and speed, never the result. Smaller
     micro-batches let the streaming trainer start earlier in a step."""
 
+    data_parallel: int = Field(default=1, ge=1)
+    """Trainer processes (data-parallel ranks, ``torch.distributed``: gloo on CPU, NCCL on GPU).
+    Each trains its share of a step's groups, dealt by tokens; gradients are summed once per
+    step, so the update equals one process's up to float rounding. Needs ``run.mode: async`` with
+    ``run.backend: ray``, ``ppo_mini_batches`` = ``ppo_epochs`` = 1 and ``prox_logprobs: behav``.
+    Each rank takes ``run.trainer_threads`` threads."""
+
     layout: Literal["packed", "padded"] = "packed"
     """Tensor layout of training forwards: ``packed`` (padding-free rows; with
     ``share_prompts`` a group's prompt is computed once for all its responses) or ``padded`` (one
@@ -300,3 +307,15 @@ class SluiceConfig(_Section):
 
     run: RunConfig = RunConfig()
     """Run control and outputs."""
+
+    @model_validator(mode="after")
+    def _data_parallel_placement(self) -> SluiceConfig:
+        t = self.trainer
+        if t.data_parallel > 1:
+            if self.run.mode != "async" or self.run.backend != "ray":
+                raise ValueError("trainer.data_parallel > 1 needs run.mode: async and run.backend: ray")
+            if t.ppo_mini_batches != 1 or t.ppo_epochs != 1 or t.prox_logprobs != "behav":
+                raise ValueError(
+                    "trainer.data_parallel > 1 needs trainer.ppo_mini_batches = ppo_epochs = 1 and prox_logprobs: behav"
+                )
+        return self

@@ -40,6 +40,7 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         reward_config=cfg.reward,
         rollout_threads=cfg.run.rollout_threads,
         trainer_threads=cfg.run.trainer_threads,
+        data_parallel=cfg.trainer.data_parallel,
         trace=cfg.run.trace,
     )
 

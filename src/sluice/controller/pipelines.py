@@ -53,6 +53,7 @@ class PipelineSpec:
     trainer_threads: int = 1
     trace: bool = True
     update_schedule: UpdateSchedule = ONE_UPDATE
+    data_parallel: int = 1
 
 
 class _Pipeline:
@@ -71,6 +72,8 @@ class LocalPipeline(_Pipeline):
     """All workers in this process: rollout on the event loop, trainer in one worker thread."""
 
     def __init__(self, spec: PipelineSpec, prompts: PromptStream) -> None:
+        if spec.data_parallel > 1:
+            raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")
         super().__init__(spec, prompts)
         self.queue = LocalQueue()
         for task, columns in queue_tasks(spec).items():
@@ -129,7 +132,9 @@ class LocalPipeline(_Pipeline):
 
 
 class RayPipeline(_Pipeline):
-    """One Ray actor per role (rollout, trainer) plus the queue's storage and controller actors."""
+    """One Ray actor per role (rollout, trainer) plus the queue's storage and controller actors;
+    with ``data_parallel`` > 1, that many trainer actors form one process group, and each step's
+    groups are dealt to them by tokens (each to the rank with the fewest so far)."""
 
     def __init__(self, spec: PipelineSpec, prompts: PromptStream, address: str | None = None) -> None:
         import ray
@@ -141,11 +146,20 @@ class RayPipeline(_Pipeline):
         ensure_ray(address)
         self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec))
         self.weight_sync = ObjectStoreWeightSync(name=f"sluice-weights-{os.getpid()}-{id(self)}")
-        over = spec.rollout_threads + spec.trainer_threads > (os.cpu_count() or 1)
+        over = spec.rollout_threads + spec.trainer_threads * spec.data_parallel > (os.cpu_count() or 1)
         rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over))
         self.rollout_actor = rollout_cls.remote(**_rollout_kwargs(spec, self.queue.as_async()))
         trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over))
-        self.trainer_actor = trainer_cls.remote(**_trainer_kwargs(spec, self.queue, self.weight_sync))
+        kwargs = _trainer_kwargs(spec, self.queue, self.weight_sync)
+        self.trainer_actors = [trainer_cls.remote(**kwargs) for _ in range(spec.data_parallel)]
+        self.trainer_actor = self.trainer_actors[0]  # rank 0: publishes weights, saves
+        if spec.data_parallel > 1:
+            meet = ray.get(self.trainer_actor.rendezvous_address.remote())
+            ray.get(
+                [a.join_data_parallel.remote(meet, r, spec.data_parallel) for r, a in enumerate(self.trainer_actors)]
+            )
+        self._group_tokens: dict[int, int] = {}
+        self._rank_tokens: list[int] = []
         self.reference_actor = None
         if spec.algorithm.uses_reference:
             reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True))
@@ -154,17 +168,31 @@ class RayPipeline(_Pipeline):
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
+        prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
         async for ref in stream:
-            yield await ref
+            report: GroupReport = await ref
+            # a group's training cost in the packed layout: its prompt once, then every response
+            self._group_tokens[report.group_id] = prompt_tokens[report.group_id] + report.response_tokens
+            yield report
 
     async def begin_step(self) -> None:
-        await self.trainer_actor.begin_step.remote()
+        self._rank_tokens = [0 for _ in self.trainer_actors]
+        await asyncio.gather(*(a.begin_step.remote() for a in self.trainer_actors))
 
     async def train_groups(self, group_ids: list[int]) -> None:
-        await self.trainer_actor.add_groups.remote(group_ids)
+        """Deal the groups to ranks, each to the one with the fewest tokens this step so far."""
+        dealt: list[list[int]] = [[] for _ in self.trainer_actors]
+        for gid in group_ids:
+            rank = min(range(len(dealt)), key=lambda r: (self._rank_tokens[r], r))
+            dealt[rank].append(gid)
+            self._rank_tokens[rank] += self._group_tokens.pop(gid, 0)
+        calls = [a.add_groups.remote(gids) for a, gids in zip(self.trainer_actors, dealt, strict=True) if gids]
+        await asyncio.gather(*calls)
 
     async def finish_step(self) -> dict[str, float]:
-        return await self.trainer_actor.finish_step.remote()
+        """Every rank's optimizer step (they meet in the gradient all-reduce); rank 0 reports."""
+        results = await asyncio.gather(*(a.finish_step.remote() for a in self.trainer_actors))
+        return results[0]
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         metrics = await self.rollout_actor.load_version.remote(self.weight_sync, version, self.spec.weight_update)
@@ -179,23 +207,28 @@ class RayPipeline(_Pipeline):
         return await self.rollout_actor.engine_stats.remote()
 
     async def trace_events(self) -> list[dict[str, Any]]:
-        parts = await asyncio.gather(self.rollout_actor.drain_trace.remote(), self.trainer_actor.drain_trace.remote())
+        actors = [self.rollout_actor, *self.trainer_actors]
+        parts = await asyncio.gather(*(a.drain_trace.remote() for a in actors))
         return [e for part in parts for e in part]
 
     async def save(self, path: str) -> None:
         await self.trainer_actor.save.remote(path)
 
     async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
-        """((trainer version, checksum), (engine version, checksum)), each from its own actor."""
-        trainer, engine = await asyncio.gather(
-            self.trainer_actor.weights_fingerprint.remote(), self.rollout_actor.weights_fingerprint.remote()
+        """((trainer version, checksum), (engine version, checksum)), each from its own actor; every
+        data-parallel rank must hold rank 0's weights."""
+        engine, *ranks = await asyncio.gather(
+            self.rollout_actor.weights_fingerprint.remote(),
+            *(a.weights_fingerprint.remote() for a in self.trainer_actors),
         )
-        return trainer, engine
+        if any(r != ranks[0] for r in ranks):
+            raise RuntimeError(f"data-parallel trainer ranks diverged: (version, checksum) per rank {ranks}")
+        return ranks[0], engine
 
     def close(self) -> None:
         import ray
 
-        for handle in (self.rollout_actor, self.trainer_actor, self.reference_actor):
+        for handle in (self.rollout_actor, *self.trainer_actors, self.reference_actor):
             if handle is not None:
                 ray.kill(handle)
         self.queue.shutdown()

@@ -6,7 +6,9 @@ group's advantages, and runs each micro-batch as soon as it is complete — cut 
 ``pack_in_order``, so the step is bit-identical to a whole-batch step over the same samples.
 ``finish_step`` scales by the step-wide normaliser, takes the optimizer step and publishes the
 new weights. It is synchronous (a blocking queue read waits for the rows); the same class runs in a worker
-thread (``backend: local``) or as a Ray actor. It does not choose groups.
+thread (``backend: local``) or as a Ray actor. With data parallelism (``join_data_parallel``)
+several workers each train the groups handed to them and combine gradients at ``finish_step``
+(``trainer/data_parallel.py``); rank 0 publishes. It does not choose groups.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.telemetry.trace import SpanRecorder
+from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
 from sluice.trainer.step import InOrderPacker, step_normaliser
 from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule, proximal_logprobs, train_global_batch
 
@@ -58,6 +61,19 @@ class TrainerWorker:
         self._step: InOrderPacker | None = None
         self._held: list[Sample] = []
         self._timing: dict[str, float] = {}
+        self.dp: DataParallelGroup | None = None
+
+    def rendezvous_address(self) -> str:
+        """Where the data-parallel ranks meet (asked of rank 0, on its node)."""
+        return free_tcp_address()
+
+    def join_data_parallel(self, address: str, rank: int, world_size: int) -> None:
+        """Join the trainer ranks' process group; blocks until every rank has joined."""
+        if not self.schedule.streams:
+            raise ValueError("data-parallel training needs ppo_mini_batches = ppo_epochs = 1 and prox_logprobs: behav")
+        self.dp = DataParallelGroup(address, rank, world_size)
+        if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
+            self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled)
 
     def begin_step(self) -> None:
         self._step = InOrderPacker(self.micro_batch_tokens)
@@ -95,19 +111,40 @@ class TrainerWorker:
                 )
             return self._publish(metrics, held)
         prox = proximal_logprobs(self.engine, held, self.schedule, self.engine.temperature)
-        for mb in self._step.add(held, self.algorithm.advantages(held), prox) if held else []:
-            self._accumulate(mb)
+        if held or (self.dp is not None and self.algorithm.whole_batch_advantages):  # every rank gathers
+            for mb in self._step.add(held, self._held_advantages(held), prox):
+                self._accumulate(mb)
         for mb in self._step.flush():
             self._accumulate(mb)
         with self.tracer.span("optimizer_step", lane="trainer"):
-            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(self._step.samples, self.algorithm))
-        return self._publish(metrics, self._step.samples)
+            step_samples = self._everyone(self._step.samples)
+            if self.dp is not None:
+                self.dp.all_reduce_grads(self.engine.model.parameters())
+            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(step_samples, self.algorithm))
+            if self.dp is not None:
+                metrics = self.dp.sum_metrics(metrics)
+        return self._publish(metrics, step_samples)
+
+    def _everyone(self, samples: list[Sample]) -> list[Sample]:
+        """The whole step's samples over all data-parallel ranks (rank order); ``samples`` alone."""
+        if self.dp is None:
+            return samples
+        return [s for part in self.dp.all_gather(samples) for s in part]
+
+    def _held_advantages(self, held: list[Sample]) -> list[list[float]]:
+        """Advantages of held samples: whole-batch estimators see every rank's samples."""
+        if self.dp is None or not self.algorithm.whole_batch_advantages:
+            return self.algorithm.advantages(held)
+        parts = self.dp.all_gather(held)
+        offset = sum(len(p) for p in parts[: self.dp.rank])
+        return self.algorithm.advantages([s for p in parts for s in p])[offset : offset + len(held)]
 
     def _publish(self, metrics: dict[str, float], samples: list[Sample]) -> dict[str, float]:
         """Version ``v + 1``: publish the weights, close the step, report."""
         self.version += 1
-        with self.tracer.span("weight_publish", lane="trainer", version=self.version):
-            self.weight_sync.publish(self.engine.export_weights(), self.version)
+        if self.dp is None or self.dp.rank == 0:
+            with self.tracer.span("weight_publish", lane="trainer", version=self.version):
+                self.weight_sync.publish(self.engine.export_weights(), self.version)
         trained = sum(len(s.response_ids) for s in samples)
         self._step = None
         return {

@@ -1,0 +1,85 @@
+"""Data-parallel training ranks: one process group over the trainer workers of a run.
+
+Every rank holds the full model (DDP-style replicas; FSDP2 sharding is for GPUs, where one
+replica does not fit) and trains its own shard of a step's groups. At the end of the step the
+ranks sum their gradients with one all-reduce of a flat buffer, agree on the step-wide
+normaliser (and whole-batch advantages) by gathering the step's samples, and each takes the same optimizer step,
+so the replicas stay identical without ever broadcasting weights. Only rank 0 publishes weights
+to the engines, so a sync costs one copy whatever the number of ranks.
+
+``gloo`` on CPU, ``nccl`` on CUDA. Deliberately not here: choosing which rank trains which group
+(the pipeline balances groups by tokens), tensor or pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NOT_SUMMED = frozenset({"grad_norm", "skipped_steps"})
+"""Step metrics every rank computes identically after the all-reduce (not added across ranks)."""
+
+
+def free_tcp_address() -> str:
+    """A ``tcp://host:port`` rendezvous on this node, on a port free right now."""
+    host = socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+class DataParallelGroup:
+    """This process's membership of the trainer ranks' process group (blocks until all join)."""
+
+    def __init__(self, address: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a world of {world_size}")
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum every parameter's gradient over the ranks, in one flat buffer (a rank that saw no
+        data contributes zeros)."""
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
+            offset += n
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (pickled: for metadata, never tensors of weights)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def sum_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Step metrics added over the ranks (losses, counts), except ``NOT_SUMMED`` ones."""
+        total = dict(metrics)
+        for i, other in enumerate(self.all_gather(metrics)):
+            if i == self.rank:
+                continue
+            for key, value in other.items():
+                if key not in NOT_SUMMED:
+                    total[key] = total.get(key, 0.0) + value
+        return total
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
