@@ -10,6 +10,12 @@ averaged over ``--tie-seeds``), beside random ranking (0.2 in expectation), rank
 length (this task's answer is as long as its prompt: a strong hand-made baseline), and a
 sample-noise reference: each sample predicted by the mean length of the *other* samples of its prompt.
 
+A second table replays StreamRL Fig. 9 on the same held-out samples: the requests are planned
+from predictions and then *run* with their true lengths through the continuous-batching cost
+model (``replica_makespan``, per-iteration time ``decode_s · max(1, running / knee)`` as in
+``SimEngine``): random order, LPT by the ranker, skewness-aware dispatch by the ranker, and by
+an oracle that knows the true lengths.
+
     .venv/bin/python benchmarks/length_ranker.py [--train 1024] [--group 4] [--eval 500]
 """
 
@@ -27,8 +33,15 @@ import torch
 from sluice.api import GenerationRequest, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
-from sluice.rollout.length_ranker import OnlineLengthRanker, top_share_recall
+from sluice.rollout.length_ranker import OnlineLengthRanker, lpt_order, top_share_recall
 from sluice.rollout.single_turn import sample_seed
+from sluice.rollout.skew_dispatch import (
+    DispatchPlan,
+    StepTime,
+    knee_step_time,
+    replica_makespan,
+    skewness_aware_dispatch,
+)
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.spec import eval_rows, generate_rows
@@ -55,17 +68,8 @@ def _recall(predicted: list[float], actual: list[int], seeds: int) -> float:
     return statistics.fmean(top_share_recall(predicted, actual, 0.2, seed=s) for s in range(seeds))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", type=int, default=1024, help="training prompts observed online")
-    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--eval", type=int, default=500, help="held-out (unseen) prompts")
-    parser.add_argument("--max-batch", type=int, default=256)
-    parser.add_argument("--tie-seeds", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/length_ranker.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def _sample_lengths(args: argparse.Namespace) -> dict:
+    """Token ids and real sampled lengths of the training and held-out prompts."""
     task = TASKS["reverse_digits"]
     model_dir = ensure_base_model(task, ".cache/sluice", seed=0, eval_count=500)
     tokenizer = load_tokenizer(model_dir)
@@ -78,32 +82,90 @@ def main() -> None:
     started = time.perf_counter()
     train_len = _lengths(engine, train_ids, args.group, params, salt=1)
     test_len = _lengths(engine, test_ids, args.group, params, salt=2)
-    generate_s = time.perf_counter() - started
+    return {
+        "train_ids": train_ids,
+        "train_len": train_len,
+        "test_ids": test_ids,
+        "test_len": test_len,
+        "generate_s": time.perf_counter() - started,
+    }
 
-    actual = [n for row in test_len for n in row]
+
+def _recall_rows(data: dict, args: argparse.Namespace) -> tuple[list[tuple[str, int, float]], list[float]]:
+    """The recall table, and the fully trained ranker's per-sample predictions."""
+    actual = [n for row in data["test_len"] for n in row]
     per_sample = lambda per_prompt: [v for v in per_prompt for _ in range(args.group)]  # noqa: E731
     rng = random.Random(0)
     rows = [
         ("random", 0, _recall([rng.random() for _ in actual], actual, args.tie_seeds)),
-        ("prompt length", 0, _recall(per_sample([float(len(p)) for p in test_ids]), actual, args.tie_seeds)),
+        ("prompt length", 0, _recall(per_sample([float(len(p)) for p in data["test_ids"]]), actual, args.tie_seeds)),
     ]
     ranker = OnlineLengthRanker()
-    checkpoints = sorted({c for c in (0, 16, 64, 256, args.train) if c <= args.train})
-    seen = 0
-    for checkpoint in checkpoints:
-        for ids, lengths in zip(train_ids[seen:checkpoint], train_len[seen:checkpoint], strict=True):
+    seen, predicted = 0, []
+    for checkpoint in sorted({c for c in (0, 16, 64, 256, args.train) if c <= args.train}):
+        for ids, lengths in zip(data["train_ids"][seen:checkpoint], data["train_len"][seen:checkpoint], strict=True):
             for n in lengths:
                 ranker.observe(ids, n)
         seen = checkpoint
-        rows.append(("OnlineLengthRanker", seen, _recall(per_sample(ranker.predict(test_ids)), actual, args.tie_seeds)))
+        predicted = per_sample(ranker.predict(data["test_ids"]))
+        rows.append(("OnlineLengthRanker", seen, _recall(predicted, actual, args.tie_seeds)))
+    test_len = data["test_len"]
     others = [(sum(row) - n) / (len(row) - 1) for row in test_len for n in row] if args.group > 1 else actual
     rows.append(("mean length of the same prompt's other samples", 0, _recall(others, actual, args.tie_seeds)))
+    return rows, predicted
+
+
+def _run_plan(plan: DispatchPlan, actual: list[int], step_time: StepTime) -> float:
+    """Makespan of ``plan`` when each request takes its *true* length."""
+    return max(
+        replica_makespan([actual[i] for i in queue], cap, step_time)
+        for queue, cap in zip(plan.order, plan.max_batch, strict=True)
+    )
+
+
+def _dispatch_rows(predicted: list[float], actual: list[int], args: argparse.Namespace) -> list[tuple[str, float]]:
+    """StreamRL Fig. 9: generation time of plans made from predictions, run with true lengths."""
+    step_time = knee_step_time(1.0, args.knee)
+    replicas, cap = args.replicas, args.replica_batch
+    shuffled = list(range(len(actual)))
+    random.Random(0).shuffle(shuffled)
+    queues = tuple(tuple(shuffled[r::replicas]) for r in range(replicas))
+    fifo = DispatchPlan((), queues, (cap,) * replicas, (), 0.0)
+    lpt = lpt_order(predicted)
+    lpt_plan = DispatchPlan((), tuple(tuple(lpt[r::replicas]) for r in range(replicas)), (cap,) * replicas, (), 0.0)
+    plans = [
+        ("random order", fifo),
+        ("LPT, ranker", lpt_plan),
+        ("skewness-aware + LPT, ranker", skewness_aware_dispatch(predicted, replicas, step_time, max_batch=cap)),
+        ("skewness-aware + LPT, oracle", skewness_aware_dispatch(actual, replicas, step_time, max_batch=cap)),
+    ]
+    return [(name, _run_plan(plan, actual, step_time)) for name, plan in plans]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", type=int, default=1024, help="training prompts observed online")
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--eval", type=int, default=500, help="held-out (unseen) prompts")
+    parser.add_argument("--max-batch", type=int, default=256, help="engine slots while sampling lengths")
+    parser.add_argument("--tie-seeds", type=int, default=20)
+    parser.add_argument("--replicas", type=int, default=32, help="dispatch table: replicas")
+    parser.add_argument("--replica-batch", type=int, default=64, help="dispatch table: running cap per replica")
+    parser.add_argument("--knee", type=int, default=8, help="dispatch table: batch where per-token time turns up")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/length_ranker.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    data = _sample_lengths(args)
+    rows, predicted = _recall_rows(data, args)
+    actual = [n for row in data["test_len"] for n in row]
+    dispatch = _dispatch_rows(predicted, actual, args)
 
     lengths = sorted(actual)
     print(
-        f"real lengths from the base model ({len(train_ids) + len(test_ids)} prompts × {args.group}, "
-        f"{generate_s:.1f} s); held-out p50 = {lengths[len(lengths) // 2]}, p80 = {lengths[int(0.8 * len(lengths))]}, "
-        f"max = {lengths[-1]} tokens"
+        f"real lengths from the base model ({len(data['train_ids']) + len(data['test_ids'])} prompts × {args.group}, "
+        f"{data['generate_s']:.1f} s); held-out p50 = {lengths[len(lengths) // 2]}, "
+        f"p80 = {lengths[int(0.8 * len(lengths))]}, max = {lengths[-1]} tokens"
     )
     print(f"{'ranker':<46} {'prompts seen':>12} {'recall@20%':>10}")
     for name, seen, recall in rows:
@@ -111,13 +173,20 @@ def main() -> None:
     final = rows[-2][2]
     verdict = "met" if final >= TARGET else "NOT met"
     print(f"target >= {TARGET}: {verdict} ({final:.3f}); StreamRL reports {STREAMRL_RECALL}")
+    print(
+        f"\n{len(actual)} held-out requests on {args.replicas} replicas (cap {args.replica_batch}, knee {args.knee}):"
+    )
+    print(f"{'plan (made from predictions, run with true lengths)':<52} {'makespan':>9} {'vs random':>9}")
+    for name, makespan in dispatch:
+        print(f"{name:<52} {makespan:>9.0f} {dispatch[0][1] / makespan:>8.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "args": vars(args),
         "lengths_from": "real samples of the warm-started base model (temperature 1)",
-        "generate_s": generate_s,
+        "generate_s": data["generate_s"],
         "rows": [{"ranker": n, "prompts_seen": s, "recall_at_20": r} for n, s, r in rows],
+        "dispatch": [{"plan": n, "makespan_decode_units": m} for n, m in dispatch],
         "target": TARGET,
         "streamrl_recall": STREAMRL_RECALL,
     }
