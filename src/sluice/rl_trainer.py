@@ -33,6 +33,7 @@ from sluice.controller.sync_loop import run_sync
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.lora import LoraSpec
 from sluice.rewards import build_reward_service
 from sluice.rollout.evaluate import EvalResult, evaluate
 from sluice.rollout.filters import reward_failure
@@ -237,6 +238,7 @@ class RLTrainer:
             "layout": t.layout,
             "share_prompts": t.share_prompts,
             "pack_row_tokens": t.pack_row_tokens,
+            "lora": LoraSpec(t.lora_rank, t.lora_alpha, t.lora_targets) if t.lora_rank else None,
         }
 
     @property

@@ -5,10 +5,12 @@ bonus, in sync mode and on the asynchronous pipeline."""
 import json
 
 import pytest
+import torch
 
 from fakes import length_reward
 from sluice import RLTrainer
 from sluice.config import load_config
+from sluice.engines.hf_model import load_causal_lm
 from tiny import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
@@ -40,3 +42,19 @@ def test_kl_entropy_and_mini_batches_run_end_to_end(tiny_task_model, tmp_path, m
     assert all(r["optimizer_steps"] == 2 and r["entropy_sum"] > 0 for r in records)
     # every trained token had its reference log-prob; the policy leaves the reference once it moves
     assert all(r["kl_ref_sum"] >= 0 for r in records) and records[-1]["kl_ref_sum"] > 0
+
+
+def test_lora_run_syncs_merged_weights_to_the_engine(tiny_task_model, tmp_path):
+    overrides = ["trainer.lora_rank=4", "trainer.lr=3e-2", "run.mode=async", "run.backend=local"]
+    cfg = load_config(None, [*tiny_run_overrides(tiny_task_model, tmp_path, "lora"), *overrides])
+    result = RLTrainer(cfg, reward=length_reward).fit()
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    weights = next(r for r in records if r["kind"] == "weights")
+    assert weights["engine_version"] == weights["trainer_version"] == 3
+    assert weights["engine_checksum"] == pytest.approx(weights["trainer_checksum"], rel=1e-9)
+    base = load_causal_lm(tiny_task_model).state_dict()
+    final = load_causal_lm(result.final_model_dir).state_dict()  # a plain HF folder, adapters merged
+    assert not torch.equal(
+        final["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(final["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not adapted

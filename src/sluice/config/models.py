@@ -123,6 +123,17 @@ class TrainerConfig(_Section):
     """Entropy bonus: subtracts ``entropy_coef ·`` the aggregated per-token entropy of π_θ from
     the loss (0 disables it). Small values (1e-3) slow the collapse of exploration."""
 
+    lora_rank: int = Field(default=0, ge=0)
+    """LoRA (needs ``pip install sluice[lora]``): train rank-``r`` adapters on ``lora_targets``
+    instead of all weights; engines receive the merged weights. 0 trains every weight. Use it
+    when the optimizer state of a full fine-tune does not fit; raise ``lr`` (≈ 10×) with it."""
+
+    lora_alpha: float = Field(default=16.0, gt=0.0)
+    """LoRA scale numerator: the adapter update is ``(lora_alpha / lora_rank) · B A``."""
+
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names (suffixes) that get adapters; the default covers a Llama-style block."""
+
     lr: float = Field(default=1e-4, gt=0.0)
     """Adam learning rate."""
 

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from sluice.api.protocols import Algorithm
 from sluice.api.types import LossInputs, MicroBatch, Sample
+from sluice.engines.lora import LoraSpec, apply_lora, load_adapters, merged_weights, save_merged
 from sluice.trainer.losses.regularizers import token_entropy
 from sluice.trainer.microbatch import pad_batch
 from sluice.trainer.packing import pack_batch, packed_chunks
@@ -56,6 +57,7 @@ class HFTrainEngine:
         share_prompts: in the packed layout, compute a group's prompt once for all its responses.
         pack_row_tokens: in the packed layout, rows of whole groups up to this many positions or
             the longest group's length (dense attention makes long rows O(row²) on CPU).
+        lora: train LoRA adapters only (``engines/lora.py``); weights are exported merged.
     """
 
     def __init__(
@@ -71,10 +73,12 @@ class HFTrainEngine:
         layout: str = "packed",
         share_prompts: bool = True,
         pack_row_tokens: int = 0,
+        lora: LoraSpec | None = None,
     ) -> None:
         if layout not in ("packed", "padded"):
             raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
-        self.model = model
+        self.lora = lora
+        self.model = model if lora is None else apply_lora(model, lora)  # then only adapters train
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.forward_token_budget = forward_token_budget
@@ -82,8 +86,8 @@ class HFTrainEngine:
         self.layout = layout
         self.share_prompts = share_prompts
         self.pack_row_tokens = pack_row_tokens
-        self.device = next(model.parameters()).device
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.device = next(self.model.parameters()).device
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=betas, weight_decay=weight_decay)
 
     @classmethod
@@ -166,7 +170,10 @@ class HFTrainEngine:
         return dict(totals)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Detached copies of the state dict; tied tensors stay shared in the copy."""
+        """Detached copies of the state dict; tied tensors stay shared in the copy. With LoRA, the
+        plain model's weights with the adapters merged in."""
+        if self.lora is not None:
+            return merged_weights(self.model)
         copies: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():
@@ -179,13 +186,19 @@ class HFTrainEngine:
     def save(self, path: str) -> None:
         """Write the HF model folder plus ``optimizer.pt`` into ``path``."""
         os.makedirs(path, exist_ok=True)
-        self.model.save_pretrained(path)
+        if self.lora is not None:
+            save_merged(self.model, path)
+        else:
+            self.model.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
 
     def load(self, path: str) -> None:
         """Restore weights (in place, so the optimizer keeps its parameters) and optimizer state."""
-        loaded = type(self.model).from_pretrained(path, dtype=torch.float32)
-        self.model.load_state_dict(loaded.state_dict())
+        if self.lora is not None:
+            load_adapters(self.model, path)
+        else:
+            loaded = type(self.model).from_pretrained(path, dtype=torch.float32)
+            self.model.load_state_dict(loaded.state_dict())
         state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state)
 

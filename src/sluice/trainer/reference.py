@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def frozen_engine(model_dir: str | Path, engine_kwargs: dict[str, Any]) -> HFTrainEngine:
     """The reference policy: the model at ``model_dir`` with gradients off (never stepped)."""
-    engine = HFTrainEngine(load_causal_lm(model_dir), **{**engine_kwargs, "lr": 0.0})
+    engine = HFTrainEngine(load_causal_lm(model_dir), **{**engine_kwargs, "lr": 0.0, "lora": None})
     engine.model.requires_grad_(False)
     engine.model.eval()
     return engine

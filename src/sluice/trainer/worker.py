@@ -157,6 +157,9 @@ class TrainerWorker:
 
     def weights_fingerprint(self) -> tuple[int, float]:
         """(version, float64 sum of every parameter): compared with the engines' after a sync."""
+        if self.engine.lora is not None:  # what the engines hold: the merged weights, tied ones once
+            unique = {id(t): t for t in self.engine.export_weights().values()}
+            return self.version, float(sum(t.double().sum() for t in unique.values()))
         with torch.no_grad():
             return self.version, float(sum(p.double().sum() for p in self.engine.model.parameters()))
 
