@@ -30,6 +30,7 @@ import torch
 from sluice.api import PromptItem, RewardFn, Sample, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config
 from sluice.controller.sync_loop import run_sync
+from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.engines.hf_train import HFTrainEngine
@@ -45,6 +46,7 @@ from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
 from sluice.telemetry.trace import trace_numbers
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.ppo import ppo_critic_step
 from sluice.trainer.reference import frozen_engine, reference_logprobs
 from sluice.trainer.updates import UpdateSchedule, train_global_batch
 
@@ -68,6 +70,8 @@ class RLTrainer:
     """One RL run: ``RLTrainer(config).fit()``; or call the verbs one by one."""
 
     def __init__(self, config: SluiceConfig, *, reward: RewardFn | None = None) -> None:
+        if config.trainer.algorithm == "ppo" and config.run.mode != "sync":
+            raise ConfigError("trainer.algorithm: 'ppo' (with a critic) runs in run.mode=sync only for now")
         if config.task.name not in TASKS:
             raise ConfigError(f"task.name: unknown task {config.task.name!r} (built-in: {', '.join(TASKS)})")
         self.config = config
@@ -111,7 +115,7 @@ class RLTrainer:
         if in_process and train:
             self.train_engine = HFTrainEngine(load_causal_lm(self.model_dir), **self.train_engine_kwargs)
         self.algorithm = GRPOAlgorithm(
-            estimator=cfg.trainer.algorithm,
+            estimator="gae" if cfg.trainer.algorithm == "ppo" else cfg.trainer.algorithm,
             clip_low=cfg.trainer.clip_low,
             clip_high=cfg.trainer.clip_high,
             policy_loss=cfg.trainer.policy_loss,
@@ -125,6 +129,10 @@ class RLTrainer:
             kl_in=cfg.trainer.kl_in,
             entropy_coef=cfg.trainer.entropy_coef,
         )
+        self.critic: CriticEngine | None = None
+        if in_process and train and cfg.trainer.algorithm == "ppo":
+            t = cfg.trainer
+            self.critic = CriticEngine(self.model_dir, t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens)
         if in_process and train and self.algorithm.uses_reference:
             self.reference_engine = frozen_engine(self.model_dir, self.train_engine_kwargs)
         self.update_schedule = UpdateSchedule(
@@ -215,9 +223,11 @@ class RLTrainer:
             engine, t = self.train_engine, self.config.trainer
             if self.algorithm.uses_reference:  # the reference step, on the batch in hand
                 samples = reference_logprobs(self.reference_engine, samples, engine.temperature)
-            metrics = train_global_batch(
-                engine, samples, self.algorithm, t.micro_batch_tokens, self.update_schedule, engine.temperature
-            )
+            common = (samples, self.algorithm, t.micro_batch_tokens, self.update_schedule, engine.temperature)
+            if self.critic is not None:  # PPO with a critic
+                metrics = ppo_critic_step(engine, self.critic, *common, t.gae_gamma, t.gae_lambda)
+            else:
+                metrics = train_global_batch(engine, *common)
         self.version += 1
         return metrics
 

@@ -1,6 +1,6 @@
 """Algorithm options end to end on the tiny task model: PPO mini-batches with recomputed proximal
 log-probs, a KL to the reference policy (the reference step as a queue task) and an entropy
-bonus, in sync mode and on the asynchronous pipeline."""
+bonus, in sync mode and on the asynchronous pipeline; LoRA; PPO with a critic."""
 
 import json
 
@@ -9,7 +9,7 @@ import torch
 
 from fakes import length_reward
 from sluice import RLTrainer
-from sluice.config import load_config
+from sluice.config import ConfigError, load_config
 from sluice.engines.hf_model import load_causal_lm
 from tiny import tiny_run_overrides
 
@@ -58,3 +58,13 @@ def test_lora_run_syncs_merged_weights_to_the_engine(tiny_task_model, tmp_path):
         final["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
     )
     assert torch.equal(final["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not adapted
+
+
+def test_ppo_with_a_critic_trains_in_sync_mode(tiny_task_model, tmp_path):
+    overrides = ["trainer.algorithm=ppo", "trainer.ppo_mini_batches=2", "trainer.critic_lr=1e-2", "run.mode=sync"]
+    records = _train_records(tiny_task_model, tmp_path, "ppo", *overrides)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["value_tokens"] > 0 and r["value_loss"] > 0 and r["optimizer_steps"] == 2 for r in records)
+    assert records[0]["value_mean"] == 0.0 and records[-1]["value_mean"] != 0.0  # the critic learns
+    with pytest.raises(ConfigError, match=r"run\.mode=sync"):
+        RLTrainer(load_config(None, ["trainer.algorithm=ppo", "run.mode=async"]))

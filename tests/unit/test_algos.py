@@ -132,7 +132,7 @@ def test_gae_registry_entry_explains_missing_values() -> None:
     with pytest.raises(ValueError, match="critic"):
         _run("gae", [1.0], [0], [1])
     with pytest.raises(ValueError, match="critic"):
-        GRPOAlgorithm(estimator="gae")
+        GRPOAlgorithm(estimator="gae").advantages([_sample("a", 0, 1.0, 2)])
 
 
 def _sample(uid: str, group_id: int, reward: float, n_resp: int, masked: int = 0) -> Sample:

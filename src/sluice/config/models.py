@@ -75,10 +75,26 @@ class RolloutConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
     """Advantage estimator: ``grpo`` (group mean and std), ``dr_grpo`` (group mean only), ``rloo``
     (leave-one-out group mean), ``reinforce_pp`` (REINFORCE++: rewards whitened over the global
-    batch's loss tokens), ``reinforce_pp_baseline`` (group mean subtracted, then whitened)."""
+    batch's loss tokens), ``reinforce_pp_baseline`` (group mean subtracted, then whitened),
+    ``ppo`` (PPO with a critic: a value head on the policy's architecture, GAE advantages,
+    clipped value regression; ``run.mode: sync`` only)."""
+
+    gae_gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """``ppo``: GAE discount γ (1 for outcome rewards on finite responses)."""
+
+    gae_lambda: float = Field(default=1.0, ge=0.0, le=1.0)
+    """``ppo``: GAE λ; 1 gives Monte-Carlo returns minus the value baseline, lower trades
+    variance for the critic's bias (verl / AReaL use 1; classic PPO 0.95)."""
+
+    value_clip: float = Field(default=0.2, gt=0.0)
+    """``ppo``: the critic's new values are clipped to ``V_old ± value_clip`` in the value loss."""
+
+    critic_lr: float = Field(default=1e-4, gt=0.0)
+    """``ppo``: AdamW learning rate of the critic (it starts from the policy's weights with a
+    zero value head)."""
 
     policy_loss: Literal["ppo_clip", "cispo", "gspo", "topr"] = "ppo_clip"
     """Policy loss, each times the behaviour weight ``π_prox / π_behav``: ``ppo_clip`` (decoupled

@@ -31,7 +31,8 @@ class GRPOAlgorithm:
     """Group / batch baselines with a (decoupled) off-policy loss.
 
     Args:
-        estimator: a key of ``ADVANTAGE_ESTIMATORS`` (not ``gae``: it needs a critic).
+        estimator: a key of ``ADVANTAGE_ESTIMATORS``; with ``gae`` the advantages come from a
+            critic (``trainer/ppo.py``) and ``advantages`` raises.
         clip_low, clip_high: ratio clip ``[1 - clip_low, 1 + clip_high]`` (PPO, GSPO) or IS
             weight clip (CISPO); unused by TOPR.
         eps: added to the std (GRPO, REINFORCE++).
@@ -62,8 +63,6 @@ class GRPOAlgorithm:
         kl_in: str = "loss",
         entropy_coef: float = 0.0,
     ) -> None:
-        if estimator in NEEDS_VALUES:
-            raise ValueError(f"estimator {estimator!r} needs a critic's values; sluice has no critic yet")
         if estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
         if policy_loss not in POLICY_LOSSES:
@@ -85,7 +84,7 @@ class GRPOAlgorithm:
         self.behav_weight_cap = behav_weight_cap
         self.policy_loss = policy_loss
         self.loss_agg_mode = loss_agg_mode
-        self.whole_batch_advantages = estimator in WHOLE_BATCH_ESTIMATORS
+        self.whole_batch_advantages = estimator in WHOLE_BATCH_ESTIMATORS or estimator in NEEDS_VALUES
         self._loss_kwargs: dict[str, Any] = {
             "behav_weight_cap": behav_weight_cap,
             "behav_cap_mode": tis_mode,

@@ -6,7 +6,8 @@ number of loss tokens (the weight of token-level statistics). The trainer broadc
 scalar to the sample's response tokens (``trainer/algorithm.py``). A new estimator is a new
 file in this folder plus one entry in ``ADVANTAGE_ESTIMATORS``; nothing registers itself on
 import. Group-relative estimators see one group at a time; ``WHOLE_BATCH_ESTIMATORS`` need the
-whole step's batch (global whitening). ``gae`` needs a critic's values and raises here.
+whole step's batch (global whitening). ``gae`` needs a critic's values: PPO with a critic
+computes it from them (``trainer/ppo.py``), and it raises here.
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ def per_group(estimate: GroupEstimator) -> AdvantageEstimator:
 def gae_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, token_counts: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """GAE needs per-token values from a critic, which sluice does not train yet."""
+    """GAE needs per-token values from a critic: they are not in the rewards."""
     raise ValueError(
-        "the 'gae' estimator needs per-token values from a critic (sluice has no critic yet); "
-        "call sluice.trainer.algos.gae(rewards, values, gamma, lam, mask) directly, or pick "
-        "grpo, dr_grpo, rloo, reinforce_pp or reinforce_pp_baseline"
+        "the 'gae' estimator needs per-token values from a critic: use trainer.algorithm=ppo "
+        "(sluice.trainer.ppo.ppo_critic_step), or call sluice.trainer.algos.gae(rewards, values, gamma, lam, mask)"
     )
 
 

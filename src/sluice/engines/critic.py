@@ -1,0 +1,117 @@
+"""The critic of PPO: the policy's architecture with a scalar value head, trained by clipped
+value regression.
+
+``ValueModel`` is the causal LM's decoder (its ``base_model``, without the LM head) plus a
+``Linear(hidden, 1)`` initialised to zero, so every value starts at 0. The value of response
+token ``t`` is read at the position that predicts it (the state before the token), the same
+positions the trainer gathers log-probs at. ``CriticEngine.train_step`` minimises, per loss
+token, ``½ · max((V − R)², (V_old + clip(V − V_old, −ε, ε) − R)²)`` averaged over the step's
+loss tokens (PPO's value clipping keeps the critic near the values the advantages were
+computed with), in token-budgeted micro-batches with one AdamW step.
+
+Deliberately not here: returns and advantages (``trainer/algos/gae.py``, ``trainer/ppo.py``),
+sharing the actor's trunk, and saving the critic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from sluice.api.types import Sample
+from sluice.engines.hf_model import load_causal_lm
+from sluice.trainer.microbatch import balance_by_tokens, pad_batch
+
+
+class ValueModel(torch.nn.Module):
+    """Decoder trunk + linear value head: ``[B, T]`` token ids → ``[B, T]`` values."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        super().__init__()
+        self.trunk = load_causal_lm(model_dir).base_model
+        self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+class CriticEngine:
+    """Computes and fits per-response-token values (fp32, one device)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        lr: float,
+        value_clip: float = 0.2,
+        grad_clip: float = 1.0,
+        token_budget: int = 2048,
+    ) -> None:
+        self.model = ValueModel(model_dir)
+        self.value_clip = value_clip
+        self.grad_clip = grad_clip
+        self.token_budget = token_budget
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+
+    def values(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """``[samples][response tokens]``: the value of the state before each response token."""
+        out: list[list[float]] = [[] for _ in samples]
+        self.model.eval()
+        with torch.no_grad():
+            for part in balance_by_tokens([s.num_tokens for s in samples], self.token_budget):
+                flat, lengths = self._forward([samples[i] for i in part])
+                for i, row in zip(part, torch.split(flat, lengths), strict=True):
+                    out[i] = row.tolist()
+        return out
+
+    def train_step(
+        self, samples: Sequence[Sample], returns: Sequence[Sequence[float]], old_values: Sequence[Sequence[float]]
+    ) -> dict[str, float]:
+        """One AdamW step on the clipped value loss over ``samples``' loss tokens; summed stats
+        ``value_loss`` (the step's loss), ``value_clipped_tokens``, ``value_tokens``, ``value_grad_norm``."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = float(max(sum(sum(s.loss_mask) for s in samples), 1))
+        stats = {"value_loss": 0.0, "value_clipped_tokens": 0.0, "value_tokens": 0.0}
+        for part in balance_by_tokens([s.num_tokens for s in samples], self.token_budget):
+            values, _ = self._forward([samples[i] for i in part])
+            target = _flat([returns[i] for i in part])
+            old = _flat([old_values[i] for i in part])
+            mask = torch.tensor([m for i in part for m in samples[i].loss_mask], dtype=torch.bool)
+            loss, clipped = clipped_value_loss(values, old, target, mask, self.value_clip)
+            (loss / total).backward()
+            stats["value_loss"] += float(loss.detach()) / total
+            stats["value_clipped_tokens"] += clipped
+            stats["value_tokens"] += float(mask.sum())
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if math.isfinite(float(norm)):
+            self.optimizer.step()
+        stats["value_grad_norm"] = float(norm)
+        return stats
+
+    def _forward(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, list[int]]:
+        batch = pad_batch(samples)
+        values = self.model(batch["input_ids"], batch["attention_mask"])  # [B, T]
+        return values[batch["logit_rows"], batch["logit_cols"]], batch["response_lengths"].tolist()
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, float]:
+    """Σ over masked tokens of ``½ · max((V − R)², (V_old + clip(V − V_old, ±clip) − R)²)`` (all
+    ``[tokens]``), and how many tokens the clipped branch decided."""
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    plain = (values - returns) ** 2
+    bounded = (clipped_values - returns) ** 2
+    per_token = 0.5 * torch.maximum(plain, bounded)
+    zero = torch.zeros_like(per_token)
+    return torch.where(mask, per_token, zero).sum(), float((mask & (bounded > plain)).sum())
+
+
+def _flat(rows: Sequence[Sequence[float]]) -> torch.Tensor:
+    return torch.tensor([x for row in rows for x in row], dtype=torch.float32)
