@@ -5,8 +5,9 @@ streaming at η = 0 (overlap inside a step only: the queue's own gain, AsyncFlow
 η = 1; η = 4; η = 1 with two data-parallel trainer ranks (the trainer is the bottleneck of the
 default run, and a second rank uses the core the rollout worker leaves idle). Each row reports
 **trained** response tokens per second of training loop (tokens generated but never trained do
-not count), loop wall time, the trainer's idle fraction, the exposed weight-sync time (seconds generation or training waited for weights), the realised
-staleness histogram (from the run's trace and ledger), and final held-out accuracy.
+not count), loop wall time, the trainer's idle fraction, the exposed weight-sync time (seconds
+generation or training waited for weights), the realised staleness histogram (from the run's
+trace and ledger), and final held-out accuracy.
 Prints a table and writes JSON. It measures; it asserts nothing.
 """
 
