@@ -121,7 +121,8 @@ class FakePipeline:
     """An ``AsyncPipeline`` whose rollouts sleep for a scripted latency (seconds) per group.
 
     ``latency(group_id)`` and ``discard(group_id)`` script each group; a group's version is the
-    engine version when its wave started. ``steps`` records the group ids each step trained.
+    engine version when its wave started. ``steps`` records the group ids each step trained;
+    ``aborted`` the groups ``abort_groups`` stopped (each then reports its reason).
     """
 
     def __init__(self, latency: Any, discard: Any = None, sync_s: float = 0.0) -> None:
@@ -131,6 +132,8 @@ class FakePipeline:
         self.engine_version = 0
         self.trainer_version = 0
         self.steps: list[list[int]] = []
+        self.aborted: dict[int, str] = {}
+        self._running: dict[int, asyncio.Task[Any]] = {}
         self._prompt = 0
 
     def next_prompt(self) -> Any:
@@ -145,14 +148,29 @@ class FakePipeline:
         version = self.engine_version
 
         async def one(gid: int) -> GroupReport:
-            await asyncio.sleep(self.latency(gid))
+            try:
+                if gid in self.aborted:  # stopped before its wave started
+                    raise asyncio.CancelledError
+                await asyncio.sleep(self.latency(gid))
+            except asyncio.CancelledError:
+                if gid not in self.aborted:
+                    raise
+                return GroupReport(gid, -1, 2, 0, (), discard_reason=self.aborted[gid])
             reason = "scripted" if self.discard(gid) else None
             return GroupReport(
                 gid, version, num_samples=2, response_tokens=10, rewards=(0.0, 1.0), discard_reason=reason
             )
 
-        for done in asyncio.as_completed([one(gid) for _, gid in groups]):
+        tasks = {gid: asyncio.ensure_future(one(gid)) for _, gid in groups}
+        self._running.update(tasks)
+        for done in asyncio.as_completed(list(tasks.values())):
             yield await done
+
+    async def abort_groups(self, group_ids: list[int], reason: str) -> None:
+        for gid in group_ids:
+            self.aborted[gid] = reason
+            if gid in self._running:
+                self._running[gid].cancel()
 
     async def begin_step(self) -> None:
         self.steps.append([])

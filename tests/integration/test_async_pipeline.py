@@ -120,3 +120,27 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     rank1 = {e["pid"] for e in events if e.get("ph") == "M" and e.get("args", {}).get("name") == "trainer1"}
     assert any(e.get("name") == "train_microbatch" and e.get("pid") in rank1 for e in events), "rank 1 never trained"
+
+
+def test_two_replicas_redundant_groups_and_staggered_updates_end_to_end(model_dir, tmp_path):
+    """`sluice train` with two in-process replicas behind the proxy, redundant groups, the
+    zero-signal filter and staggered weight updates: every step gets B groups, surplus groups
+    are aborted and counted, both replicas end on the trainer's weights."""
+    from fakes import short_only_reward
+
+    options = [
+        "rollout.max_new_tokens=8", "rollout.filter_groups=zero_signal", "run.mode=async", "run.backend=local",
+        "rollout.replicas=2", "rollout.redundant_groups=3", "rollout.weight_update=staggered",
+        "rollout.max_staleness=1", "rollout.max_batch=4",
+    ]  # fmt: skip
+    cfg = load_config(None, [*tiny_run_overrides(model_dir, tmp_path, "replicas"), *options])
+    result = RLTrainer(cfg, reward=short_only_reward).fit()
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    fates = next(r for r in records if r["kind"] == "fates")
+    assert fates["groups_trained"] == 12 and fates["discarded_redundant_groups"] >= 1
+    assert all(r["staleness_max"] <= 1 for r in records if r["kind"] == "train")
+    weights = next(r for r in records if r["kind"] == "weights")
+    assert weights["engine_version"] == weights["trainer_version"] == 3
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
+    assert weights["engine_weight_updates"] == 2 * 3  # each replica took each version once
+    assert weights["engine_proxy_routed"] > 0

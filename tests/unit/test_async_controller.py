@@ -15,8 +15,8 @@ from sluice.controller.ledger import GroupLedger, GroupState
 from sluice.controller.staleness import StalenessGate
 
 
-def _run(pipeline, eta, groups_per_step=4, steps=8):
-    ledger = GroupLedger(StalenessGate(groups_per_step, eta))
+def _run(pipeline, eta, groups_per_step=4, steps=8, redundant=0):
+    ledger = GroupLedger(StalenessGate(groups_per_step, eta), redundant_groups=redundant)
     controller = AsyncController(pipeline, ledger, groups_per_step)
 
     async def after_step(version, chosen, metrics):
@@ -87,6 +87,42 @@ def test_half_the_groups_discarded_returns_credit_and_finishes():
     assert {g.group_id for g in ledger.groups.values() if g.group_id in dropped} == {g.group_id for g in by_filter} | (
         ends & dropped
     )
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_redundant_groups_replace_filtered_ones_and_surplus_is_aborted_with_credit(eta):
+    rng = random.Random(eta)
+    dropped = {gid for gid in range(1000) if rng.random() < 0.3}
+    latency = _long_tailed(eta + 10)
+    pipe = FakePipeline(latency, discard=lambda gid: gid in dropped)
+    _, ledger = _run(pipe, eta, steps=8, redundant=3)
+    trained = [gid for step in pipe.steps for gid in step]
+    assert len(trained) == len(set(trained)) == 32 and not set(trained) & dropped
+    for step, gids in enumerate(pipe.steps):
+        assert all(0 <= step - ledger.groups[gid].version <= eta for gid in gids)
+    redundant = {g.group_id for g in ledger.groups.values() if g.discard_reason == "redundant"}
+    assert pipe.aborted and set(pipe.aborted) <= redundant  # every surplus group was stopped
+    assert ledger.discards["redundant_groups"] == len(pipe.aborted)
+    reported = [g for g in redundant if ledger.groups[g].generated or g not in pipe.aborted]
+    assert ledger.discards["redundant"] == 2 * len(reported)  # their samples, counted once
+    assert not redundant & set(trained) and max(ledger.staleness) <= eta
+
+
+def test_redundant_admission_is_bounded_by_quota_plus_extra():
+    ledger = GroupLedger(StalenessGate(4, 0), redundant_groups=2)
+    assert ledger.capacity(0) == 6
+    for gid in range(6):
+        ledger.admitted(gid, 0)
+    assert ledger.capacity(0) == 0
+    ledger.discarded(0, "zero_signal", 2)  # a filtered group's credit returns
+    assert ledger.capacity(0) == 1
+    for gid in (1, 2, 3):
+        ledger.finished(gid, 0, 2)
+    assert ledger.abort_surplus("redundant") == []
+    ledger.finished(4, 0, 2)  # quota of 4 accepted met: group 5 is surplus
+    assert ledger.abort_surplus("redundant") == [5] and ledger.capacity(0) == 0
+    assert ledger.late_report(5, 2) and ledger.discards["redundant"] == 2
+    assert not ledger.late_report(4, 2)
 
 
 @given(

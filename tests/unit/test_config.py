@@ -67,3 +67,10 @@ def test_config_reference_is_current():
     assert (REPO / "docs" / "config.md").read_text().strip() == config_reference().strip(), (
         "docs/config.md is stale: run `.venv/bin/sluice config-docs > docs/config.md`"
     )
+
+
+def test_async_only_rollout_options_are_refused_in_sync_mode():
+    with pytest.raises(ConfigError, match=r"rollout\.replicas, rollout\.redundant_groups: needs run\.mode=async"):
+        load_config(None, ["run.mode=sync", "rollout.replicas=2", "rollout.redundant_groups=4"])
+    cfg = load_config(None, ["rollout.replicas=2", "rollout.redundant_groups=16", "rollout.scheduling=batch"])
+    assert (cfg.rollout.replicas, cfg.rollout.redundant_groups, cfg.rollout.scheduling) == (2, 16, "batch")

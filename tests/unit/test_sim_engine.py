@@ -72,8 +72,11 @@ def test_interrupt_versions_and_logprobs_follow_the_weights_that_sampled_each_to
     done, stats, end = run_virtual(main())
     for i, c in enumerate(done):
         assert c.versions == (0,) * 31 + (1,) * 69 and c.finish_reason == "stop"
-        assert c.logprobs == tuple(SimEngine.behaviour_logprob(i, k, v) for k, v in enumerate(c.versions))
-        assert c.token_ids == tuple(SimEngine.token(i, k, 32000) for k in range(100))
+        assert c.logprobs == SimEngine.behaviour_logprobs(i, c.versions)
+        assert c.logprobs[:31] == SimEngine.behaviour_logprobs(i, (0,) * 100)[:31]  # version 0's stream
+        assert c.logprobs[31:] == SimEngine.behaviour_logprobs(i, (1,) * 100)[31:]  # then version 1's
+        assert c.logprobs[31:] != SimEngine.behaviour_logprobs(i, (0,) * 100)[31:]
+        assert c.token_ids == SimEngine.tokens(i, 100, 32000)
     reprefill = 2 * (2 + 31)
     assert stats["reprefill_tokens"] == reprefill and stats["weight_updates"] == 1
     assert stats["weight_load_s"] == pytest.approx(0.25 + reprefill * 0.001)
@@ -129,3 +132,13 @@ def test_deterministic_under_a_seed() -> None:
     first, second = run(), run()
     assert first == second
     assert {v for c in first[0] for v in c.versions} == {0, 1}
+
+
+def test_stalled_together_counts_only_time_every_engine_is_updating() -> None:
+    from sluice.sim.pipeline import stalled_together_s
+
+    a, b = SimEngine(), SimEngine()
+    a.update_windows += [(0.0, 2.0), (5.0, 6.0)]
+    b.update_windows += [(1.0, 3.0), (6.0, 7.0)]
+    assert stalled_together_s([a, b]) == pytest.approx(1.0)  # [1, 2]; touching windows do not overlap
+    assert stalled_together_s([a]) == pytest.approx(3.0)

@@ -73,6 +73,34 @@ class RolloutConfig(_Section):
     """Dynamic filtering: ``zero_signal`` discards groups whose rewards are all equal (no GRPO
     signal) and returns their admission credit; discards are counted per reason."""
 
+    scheduling: Literal["queue", "batch"] = "queue"
+    """``queue``: every prompt group is an independent task; each sample is scored as soon as it
+    finishes and each group is filtered and stored the moment it is scored (ROLL Flash queue
+    scheduling). ``batch``: the classic barrier (the whole admission wave generates, then is
+    scored, then filtered), kept for comparison. ``run.mode: async`` only."""
+
+    redundant_groups: int = Field(default=0, ge=0)
+    """Extra prompt groups kept generating beyond the admission bound (ROLL Flash's redundant
+    prompts; 16 there): filtered groups are replaced without waiting, and once the step's quota of
+    accepted groups is met the surplus still generating is aborted, counted
+    (``discarded_redundant``) and its credit returned. Pays off with ``filter_groups:
+    zero_signal`` and long-tailed lengths. ``run.mode: async`` only."""
+
+    replicas: int = Field(default=1, ge=1)
+    """Inference engine replicas behind the rollout worker's LLMProxy (least-outstanding-tokens
+    routing). They live in the rollout worker's process and share its ``run.rollout_threads``, so
+    adding replicas never oversubscribes the cores (on CPU it adds no speed; on accelerators each
+    replica would own a device). ``run.mode: async`` only."""
+
+    prompt_replication: bool = True
+    """Route each of a prompt's samples on its own, so a hard prompt's long samples spread over
+    the replicas (ROLL Flash prompt replication); off keeps a group on one replica (prefix
+    sharing). Matters only with ``replicas > 1``; turn it off for long prompts and short answers."""
+
+    stagger: int = Field(default=1, ge=1)
+    """``weight_update: staggered``: how many replicas swap weights at a time while the others keep
+    generating."""
+
 
 class TrainerConfig(_Section):
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
@@ -316,6 +344,19 @@ class RunConfig(_Section):
 
 class SluiceConfig(_Section):
     """A whole run."""
+
+    @model_validator(mode="after")
+    def _async_only_rollout_options(self) -> SluiceConfig:
+        r = self.rollout
+        used = {
+            "replicas": r.replicas != 1,
+            "redundant_groups": r.redundant_groups != 0,
+            "scheduling": r.scheduling != "queue",
+        }
+        if self.run.mode == "sync" and any(used.values()):
+            names = ", ".join(f"rollout.{name}" for name, on in used.items() if on)
+            raise ValueError(f"{names}: needs run.mode=async (the sync loop has one engine and no admission)")
+        return self
 
     model: ModelConfig = ModelConfig()
     """The policy to train."""

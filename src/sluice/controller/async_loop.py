@@ -3,7 +3,8 @@ sync run concurrently under the staleness bound η, and samples stream through t
 
 It reads as the algorithm; the ledger keeps the books, the pipeline does the work:
 
-    admit groups while the gate has credit → each rollout generates, scores and writes its group
+    admit groups while the gate has credit (plus redundant ones) → each rollout generates, scores
+      and writes its group; once the quota is met, surplus groups still generating are aborted
     for each step v: take groups (oldest ready first, waiting for old ones still generating when
       the staleness deadlines need them) and stream them
       into the trainer → optimizer step (v → v+1) → weight sync to the engines (in the
@@ -34,6 +35,10 @@ class AsyncPipeline(Protocol):
 
     def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         """Generate, score and store a wave of groups started together; report each as it ends."""
+        ...
+
+    async def abort_groups(self, group_ids: list[int], reason: str) -> None:
+        """Stop these groups still generating; each is reported (discarded, ``reason``) by its wave."""
         ...
 
     async def begin_step(self) -> None: ...
@@ -126,16 +131,28 @@ class AsyncController:
         try:
             async for report in self.pipeline.rollout_wave(wave):
                 self.reports[report.group_id] = report
-                if report.discard_reason is None:
+                if self.ledger.late_report(report.group_id, report.num_samples):
+                    continue  # a surplus group, discarded when it was aborted
+                reason = report.discard_reason
+                if reason is None and not self.ledger.fits(report.version):
+                    reason = "redundant"  # finished on newer weights, past that version's quota
+                if reason is None:
                     self.ledger.finished(report.group_id, report.version, report.num_samples)
                 else:
-                    self.ledger.discarded(report.group_id, report.discard_reason, report.num_samples)
+                    self.ledger.discarded(report.group_id, reason, report.num_samples)
+                await self._abort_surplus()
                 self._admit()  # a discard returned its credit; a finished group is news
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # surfaced by the training loop, never swallowed
             self._failure = err
             self._news.set()
+
+    async def _abort_surplus(self) -> None:
+        """Redundant prompts: once the quota is met, stop the groups still generating."""
+        surplus = self.ledger.abort_surplus("redundant")
+        if surplus:
+            await self.pipeline.abort_groups(surplus, "redundant")
 
     async def _sync_weights(self, version: int) -> None:
         """Engines load ``version``. Exposed time: the worker's fetch + load (generation stalls

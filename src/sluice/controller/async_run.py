@@ -19,7 +19,14 @@ from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
-ENGINE_SYNC_STATS = ("weight_updates", "weight_updates_superseded", "weight_drain_s", "reprefill_tokens")
+ENGINE_SYNC_STATS = (
+    "weight_updates",
+    "weight_updates_superseded",
+    "weight_drain_s",
+    "reprefill_tokens",
+    "proxy_routed",
+    "proxy_rerouted",
+)
 
 
 def pipeline_spec(trainer: Any) -> PipelineSpec:
@@ -42,6 +49,10 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         trainer_threads=cfg.run.trainer_threads,
         data_parallel=cfg.trainer.data_parallel,
         trace=cfg.run.trace,
+        replicas=cfg.rollout.replicas,
+        prompt_replication=cfg.rollout.prompt_replication,
+        stagger=cfg.rollout.stagger,
+        scheduling=cfg.rollout.scheduling,
     )
 
 
@@ -58,7 +69,8 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
     try:
         base = trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new))
         gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
-        controller = AsyncController(pipeline, GroupLedger(gate), cfg.rollout.prompts_per_step)
+        ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups)
+        controller = AsyncController(pipeline, ledger, cfg.rollout.prompts_per_step)
         trainer.controller = controller
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:

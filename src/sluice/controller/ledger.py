@@ -9,6 +9,7 @@ work.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -49,6 +50,10 @@ class GroupLedger:
     """Histogram of realised staleness (versions) over trained groups."""
     stale_waits: int = 0
     """Must-include groups a step had to wait for because they were still generating."""
+    redundant_groups: int = 0
+    """Extra groups admission may keep generating beyond the gate (redundant prompts, ROLL
+    Flash): they replace filtered groups at once; once the gate's quota of accepted groups is met
+    the surplus still generating is aborted (``abort_surplus``)."""
     _waited: set[int] = field(default_factory=set)
 
     @property
@@ -62,7 +67,59 @@ class GroupLedger:
         return sum(g.generated and g.state is not GroupState.DISCARDED for g in self.groups.values())
 
     def capacity(self, version: int) -> int:
-        return self.gate.capacity(version, self.accepted, self.in_flight)
+        """Groups admission may start now at engine ``version``: the gate's credit, plus up to
+        ``redundant_groups`` more in flight while the quota ``(v + η + 1) · B`` is not yet met."""
+        accepted, in_flight = self.accepted, self.in_flight
+        credit = self.gate.capacity(version, accepted, in_flight)
+        quota = self._quota(version)
+        if not self.redundant_groups or accepted >= quota:
+            return credit
+        return max(credit, quota + self.redundant_groups - accepted - in_flight)
+
+    def abort_surplus(self, reason: str) -> list[int]:
+        """Groups still generating that can no longer be trained within the staleness bound:
+        a group of version ``a`` once ``(a + η + 1) · B`` groups of version ``≤ a`` are accepted
+        (only redundant admission can leave such groups). Each is discarded as ``reason`` now
+        (its credit returns at once); returns the ids to stop."""
+        accepted = self._accepted_versions()
+        surplus = [
+            g
+            for g in self.groups.values()
+            if not g.generated
+            and g.state is GroupState.OPEN
+            and bisect.bisect_right(accepted, g.version) >= self._quota(g.version)
+        ]
+        for g in surplus:
+            g.state, g.discard_reason = GroupState.DISCARDED, reason
+            self.discards[f"{reason}_groups"] += 1
+        return [g.group_id for g in surplus]
+
+    def fits(self, version: int) -> bool:
+        """Whether one more accepted group of ``version`` keeps every bound ``#(accepted of
+        version ≤ c) ≤ (c + η + 1) · B``. Always true without redundant groups (admission
+        guarantees it); with them, a group that finished on newer weights than it was admitted
+        with may not fit, and is then discarded as surplus."""
+        if not self.redundant_groups:
+            return True
+        accepted = self._accepted_versions()
+        later = {c for c in accepted if c >= version} | {version}
+        return all(bisect.bisect_right(accepted, c) + 1 <= self._quota(c) for c in later)
+
+    def late_report(self, group_id: int, num_samples: int) -> bool:
+        """A report for a group already discarded by ``abort_surplus`` (it was stopped, or finished
+        first): count its samples under that reason. False if the group is not such a group."""
+        g = self.groups.get(group_id)
+        if g is None or g.state is not GroupState.DISCARDED or g.generated:
+            return False
+        g.generated, g.num_samples = True, num_samples
+        self.discards[g.discard_reason or "unknown"] += num_samples
+        return True
+
+    def _accepted_versions(self) -> list[int]:
+        return sorted(g.version for g in self.groups.values() if g.generated and g.state is not GroupState.DISCARDED)
+
+    def _quota(self, version: int) -> int:
+        return (version + self.gate.max_staleness + 1) * self.gate.groups_per_step
 
     def admitted(self, group_id: int, version: int) -> None:
         if group_id in self.groups:

@@ -52,6 +52,10 @@ class PipelineSpec:
     rollout_threads: int = 1
     trainer_threads: int = 1
     trace: bool = True
+    replicas: int = 1
+    prompt_replication: bool = True
+    stagger: int = 1
+    scheduling: str = "queue"
     update_schedule: UpdateSchedule = ONE_UPDATE
     data_parallel: int = 1
 
@@ -90,6 +94,9 @@ class LocalPipeline(_Pipeline):
         async for report in self.rollout_worker.run_groups(groups):
             yield report
 
+    async def abort_groups(self, group_ids: list[int], reason: str) -> None:
+        self.rollout_worker.abort_groups(group_ids, reason)
+
     async def begin_step(self) -> None:
         await self._in_trainer(self.trainer.begin_step)
 
@@ -100,7 +107,7 @@ class LocalPipeline(_Pipeline):
         return await self._in_trainer(self.trainer.finish_step)
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        metrics = self.rollout_worker.load_version(self.weight_sync, version, self.spec.weight_update)
+        metrics = await self.rollout_worker.load_version(self.weight_sync, version, self.spec.weight_update)
         await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
@@ -174,6 +181,9 @@ class RayPipeline(_Pipeline):
             # a group's training cost in the packed layout: its prompt once, then every response
             self._group_tokens[report.group_id] = prompt_tokens[report.group_id] + report.response_tokens
             yield report
+
+    async def abort_groups(self, group_ids: list[int], reason: str) -> None:
+        await self.rollout_actor.abort_groups.remote(group_ids, reason)
 
     async def begin_step(self) -> None:
         self._rank_tokens = [0 for _ in self.trainer_actors]
@@ -261,6 +271,10 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "reward_config": spec.reward_config,
         "threads": spec.rollout_threads,
         "trace": spec.trace,
+        "replicas": spec.replicas,
+        "prompt_replication": spec.prompt_replication,
+        "stagger": spec.stagger,
+        "scheduling": spec.scheduling,
     }
 
 

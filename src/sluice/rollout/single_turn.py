@@ -49,16 +49,38 @@ class SingleTurnWorkflow:
     run_seed: int = 0
 
     async def run(self, item: PromptItem, group_id: int, engine: InferenceEngine, reward: RewardFn) -> list[Sample]:
-        requests = [
+        """Generate the group; each sample is scored as soon as it finishes, overlapping the
+        generation of its siblings (ROLL Flash's queue scheduling, at the sample level)."""
+
+        async def one(request: GenerationRequest) -> tuple[Completion, float | RewardFailure]:
+            completion = await engine.generate(request)
+            return completion, await self._score(completion, item, reward)
+
+        done = await asyncio.gather(*(one(r) for r in self.requests(item, group_id)))
+        return [self._to_sample(c, score, item, group_id, k) for k, (c, score) in enumerate(done)]
+
+    def requests(self, item: PromptItem, group_id: int) -> list[GenerationRequest]:
+        """The group's ``group_size`` requests; they share an ``affinity`` (one prompt), which a
+        proxy without prompt replication uses to keep them on one replica."""
+        return [
             GenerationRequest(
                 request_id=f"g{group_id}-s{k}",
                 prompt_ids=item.prompt_ids,
                 params=self.params,
                 seed=sample_seed(self.run_seed, group_id, k),
+                affinity=f"g{group_id}",
             )
             for k in range(self.group_size)
         ]
-        completions = await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    async def generate(self, item: PromptItem, group_id: int, engine: InferenceEngine) -> list[Completion]:
+        """Only the generation half of ``run`` (batch scheduling scores later, all at once)."""
+        return list(await asyncio.gather(*(engine.generate(r) for r in self.requests(item, group_id))))
+
+    async def score(
+        self, item: PromptItem, group_id: int, completions: Sequence[Completion], reward: RewardFn
+    ) -> list[Sample]:
+        """The scoring half of ``run``: every completion's reward, concurrently."""
         scores = await asyncio.gather(*(self._score(c, item, reward) for c in completions))
         return [
             self._to_sample(c, score, item, group_id, k)

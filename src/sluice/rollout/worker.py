@@ -1,15 +1,16 @@
-"""The rollout worker: one inference engine, the workflow, the reward — writing groups to the queue.
+"""The rollout worker: inference replicas behind an ``LLMProxy``, the workflow, the reward —
+writing groups to the queue.
 
-``run_group`` generates a prompt group, scores it, applies the dynamic filter and writes the
-surviving samples to the TransferQueue as each group completes; it returns only a small
-``GroupReport`` to the controller (data never passes through the driver). The same class runs
-in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not decide
-admission or versions: the controller does.
+Its ``GroupRunner`` generates each prompt group, scores it, applies the dynamic filter and writes
+the surviving samples to the TransferQueue as each group completes (queue or batch scheduling);
+only a small ``GroupReport`` goes back to the controller (data never passes through the driver).
+The ``replicas`` built-in engines live in this process and share its torch threads. The same
+class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
+decide admission, quotas or versions: the controller does.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -21,16 +22,18 @@ from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, Samp
 from sluice.config.models import RewardConfig
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
-from sluice.queue.samples import samples_to_rows
 from sluice.rewards import build_reward_service
 from sluice.rollout.evaluate import EvalResult, evaluate_async
-from sluice.rollout.filters import GroupFilter, reward_failure
+from sluice.rollout.filters import GroupFilter
+from sluice.rollout.groups import GroupRunner, Scheduling
+from sluice.rollout.proxy import LLMProxy
+from sluice.rollout.replicas import merge_engine_stats
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
 
 
 class RolloutWorker:
-    """Generates, scores and stores prompt groups with one engine."""
+    """Generates, scores and stores prompt groups with ``replicas`` engines behind one proxy."""
 
     def __init__(
         self,
@@ -47,78 +50,78 @@ class RolloutWorker:
         threads: int = 1,
         trace: bool = True,
         name: str = "rollout",
+        replicas: int = 1,
+        prompt_replication: bool = True,
+        stagger: int = 1,
+        scheduling: Scheduling = "queue",
     ) -> None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # shared by every replica in this process
         self.tokenizer = load_tokenizer(model_dir)
-        self.engine = HFInferenceEngine(load_causal_lm(model_dir), max_batch=max_batch)
+        self.engines = [HFInferenceEngine(load_causal_lm(model_dir), max_batch=max_batch) for _ in range(replicas)]
+        self.proxy = LLMProxy(self.engines, prompt_replication=prompt_replication, stagger=stagger)
         if params is not None and not params.stop_token_ids:
             params = SamplingParams(
                 params.max_new_tokens, params.temperature, params.top_p, (self.tokenizer.eos_token_id,)
             )
         self.params = params
-        self.workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed) if params else None
-        self.queue = queue
         self.reward = build_reward_service(reward_config or RewardConfig(), reward)
         self.group_size = group_size
-        self.group_filter = group_filter
         self.tracer = SpanRecorder(name, enabled=trace)
+        self.runner: GroupRunner | None = None
+        if params is not None:
+            workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed)
+            self.runner = GroupRunner(
+                self.proxy,
+                workflow,
+                queue,
+                self.reward,
+                group_filter=group_filter,
+                scheduling=scheduling,
+                tracer=self.tracer,
+            )
 
     async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
-        """Start a wave of groups together, then report each as it completes (completion order).
+        """Start a wave of groups together, then report each as it completes (``GroupRunner``)."""
+        assert self.runner is not None, "worker built without sampling params"
+        async for report in self.runner.run_groups(groups):
+            yield report
 
-        Submitting a whole admission wave before the engine takes its next step makes the
-        engine's batches independent of message timing, so a wave reproduces the sync loop's
-        batches exactly.
-        """
-        tasks = [asyncio.ensure_future(self.run_group(item, gid)) for item, gid in groups]
-        try:
-            for done in asyncio.as_completed(tasks):
-                yield await done
-        finally:
-            for task in tasks:
-                task.cancel()
+    def abort_groups(self, group_ids: Sequence[int], reason: str) -> None:
+        """Stop groups that became surplus; each reports itself discarded with ``reason``."""
+        assert self.runner is not None, "worker built without sampling params"
+        self.runner.abort_groups(group_ids, reason)
 
     async def run_group(self, item: PromptItem, group_id: int) -> GroupReport:
-        assert self.workflow is not None, "worker built without sampling params"
-        with self.tracer.span("generate", lane=f"group{group_id % 8}", group=group_id):
-            samples = await self.workflow.run(item, group_id, self.engine, self.reward)
-        reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)
-        if reason is None:
-            indices, columns, meta = samples_to_rows(samples, self.group_size)
-            with self.tracer.span("queue_put", lane="queue", group=group_id):
-                await self.queue.put(indices, columns, meta)
-        return GroupReport(
-            group_id=group_id,
-            version=min(s.version for s in samples),
-            num_samples=len(samples),
-            response_tokens=sum(len(s.response_ids) for s in samples),
-            rewards=tuple(s.reward for s in samples),
-            discard_reason=reason,
-            finished_at=time.time(),
-        )
+        assert self.runner is not None, "worker built without sampling params"
+        return await self.runner.run_group(item, group_id)
 
-    def load_version(self, sync: WeightSync, version: int, mode: str) -> dict[str, float]:
-        """Fetch ``version`` from the weight sync and hand it to the engine (``interrupt`` |
-        ``defer`` | ``staggered``); returns how long fetching and loading took."""
+    async def load_version(self, sync: WeightSync, version: int, mode: str) -> dict[str, float]:
+        """Fetch ``version`` from the weight sync and push it to the replicas (``interrupt`` |
+        ``defer`` | ``staggered``); returns how long fetching and handing it over took (an
+        ``interrupt`` load stalls generation for the latter)."""
         start = time.perf_counter()
         with self.tracer.span("weight_fetch", lane="weights", version=version):
             weights = sync.fetch(version)
         fetched = time.perf_counter()
         with self.tracer.span("weight_sync", lane="weights", version=version, mode=mode):
-            self.engine.update_weights(weights, version, mode)  # type: ignore[arg-type]
+            await self.proxy.sync_weights(weights, version, mode)  # type: ignore[arg-type]
         return {"weight_fetch_s": fetched - start, "weight_load_s": time.perf_counter() - fetched}
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
         with self.tracer.span("eval", lane="eval", prompts=len(items)):
-            return await evaluate_async(self.engine, items, self.tokenizer, self.reward, max_new_tokens)
+            return await evaluate_async(self.proxy, items, self.tokenizer, self.reward, max_new_tokens)
 
     def engine_stats(self) -> dict[str, float]:
-        """The engine's counters and the reward service's (``reward_*``)."""
-        return {**self.engine.stats(), **self.reward.stats()}
+        """Every replica's counters merged, the proxy's (``proxy_*``: routing, moves) and the reward
+        service's (``reward_*``)."""
+        proxy = {f"proxy_{k}": v for k, v in self.proxy.stats().items() if k not in ("version", "pending_version")}
+        return {**merge_engine_stats(e.stats() for e in self.engines), **proxy, **self.reward.stats()}
 
     def weights_fingerprint(self) -> tuple[int, float]:
-        """(version the engine holds, float64 sum of its parameters)."""
-        return self.engine.version, self.engine.weights_checksum()
+        """(oldest version a replica holds, float64 sum of the parameters, which all replicas share)."""
+        sums = {e.weights_checksum() for e in self.engines if e.version == self.engines[0].version}
+        assert len(sums) == 1, f"replicas holding one version disagree on its weights: {sums}"
+        return min(e.version for e in self.engines), sums.pop()
 
     def drain_trace(self) -> list[dict[str, Any]]:
         return self.tracer.drain()

@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sluice.api.protocols import WeightUpdateMode
 from sluice.api.types import Completion, FinishReason, GenerationRequest
 from sluice.rollout.single_turn import sample_seed
@@ -122,19 +124,28 @@ class SimEngine:
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
         self._activated_at = 0.0
+        self.update_windows: list[tuple[float, float]] = []
+        """(start, end) simulated times this engine admitted nothing because of a weight update:
+        from a staged update's arrival (or an interrupt's stall) to the end of its load."""
         names = ("generated_tokens", "prefill_tokens", "reprefill_tokens", "steps", "weight_updates")
         self._counts: dict[str, float] = dict.fromkeys((*names, "weight_updates_superseded"), 0)
         self._times = dict.fromkeys(("busy_s", "weight_load_s", "weight_drain_s"), 0.0)
 
     @staticmethod
-    def token(seed: int, position: int, vocab: int) -> int:
-        """The token a request with ``seed`` emits at ``position``."""
-        return sample_seed(seed, position, 1) % vocab
+    def tokens(seed: int, count: int, vocab: int) -> tuple[int, ...]:
+        """The first ``count`` tokens a request with ``seed`` emits (a prefix never changes)."""
+        return tuple(np.random.default_rng(sample_seed(seed, 0, 1)).integers(0, vocab, count).tolist())
 
     @staticmethod
-    def behaviour_logprob(seed: int, position: int, version: int) -> float:
-        """The log-prob the engine reports for ``position`` when weights ``version`` sampled it."""
-        return -0.05 - (sample_seed(seed, position, 2 + version) % 1000) / 250.0
+    def behaviour_logprobs(seed: int, versions: Sequence[int]) -> tuple[float, ...]:
+        """The log-probs reported for tokens sampled by weights ``versions[i]`` at position ``i``:
+        each version has its own stream, so they depend on the weights that sampled each token."""
+        at = np.asarray(versions, dtype=np.int64)
+        out = np.empty(len(at))
+        for v in np.unique(at).tolist():
+            stream = -0.05 - 4.0 * np.random.default_rng(sample_seed(seed, v, 2)).random(len(at))
+            out[at == v] = stream[at == v]
+        return tuple(out.tolist())
 
     async def generate(self, request: GenerationRequest) -> Completion:
         """Queue ``request`` and await it (cancelling the await aborts it)."""
@@ -251,14 +262,15 @@ class SimEngine:
         update = self._update
         if update is not None and (update.mode == "interrupt" or not self._running):
             self._update = None
-            if update.drain_since is not None:
-                self._times["weight_drain_s"] += self._now() - update.drain_since
+            start = self._now() if update.drain_since is None else update.drain_since
+            self._times["weight_drain_s"] += self._now() - start
             await self._stall(self.config.load_s)
             if update.mode == "interrupt" and self._running:
                 tokens = sum(len(s.request.prompt_ids) + len(s.versions) for s in self._running)
                 self._counts["reprefill_tokens"] += tokens
                 await self._stall(tokens * self.config.prefill_s_per_token)
             self._activate(update.version)
+            self.update_windows.append((start, self._now()))
         if not self._paused and self._update is None:
             await self._admit()
 
@@ -311,8 +323,8 @@ class SimEngine:
         if seq.future.done():
             return
         vocab, seed = self.config.vocab, request.seed
-        tokens = tuple(self.token(seed, i, vocab) for i in range(len(seq.versions)))
-        logprobs = tuple(self.behaviour_logprob(seed, i, v) for i, v in enumerate(seq.versions))
+        tokens = self.tokens(seed, len(seq.versions), vocab)
+        logprobs = self.behaviour_logprobs(seed, seq.versions)
         seq.future.set_result(
             Completion(request.request_id, request.prompt_ids, tokens, logprobs, tuple(seq.versions), reason)
         )

@@ -1,0 +1,142 @@
+"""Group scheduling inside a rollout worker: prompt groups → scored, filtered, stored groups.
+
+``GroupRunner`` takes a wave of admitted groups and reports each as it ends, in one of two
+schedules (ROLL Flash §5.1.1):
+
+- ``queue`` (default): every group is an independent task; each sample is scored as soon as it
+  finishes (overlapping its siblings' generation), each group is filtered and written to the
+  TransferQueue the moment its last sample is scored, so one long group never holds the others;
+- ``batch``: the classic barrier: the whole wave generates, then every sample is scored, then
+  groups are filtered and written. A filtered group's credit brings a new wave: the rounds
+  repeat until the step has its groups.
+
+``abort_groups`` stops groups that became surplus (redundant prompts once the step's quota is
+met): their requests are aborted on the engines and each is reported as discarded with the
+given reason. The runner decides no admission and no quota; the controller does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Literal
+
+from sluice.api import AsyncQueueClient, GroupReport, InferenceEngine, PromptItem, RewardFn, Sample
+from sluice.queue.samples import samples_to_rows
+from sluice.rollout.filters import GroupFilter, reward_failure
+from sluice.rollout.single_turn import SingleTurnWorkflow
+from sluice.telemetry.trace import SpanRecorder
+
+Scheduling = Literal["queue", "batch"]
+
+
+class GroupRunner:
+    """Generates, scores, filters and stores prompt groups through one engine (or ``LLMProxy``)."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        workflow: SingleTurnWorkflow,
+        queue: AsyncQueueClient,
+        reward: RewardFn,
+        *,
+        group_filter: GroupFilter | None = None,
+        scheduling: Scheduling = "queue",
+        tracer: SpanRecorder | None = None,
+    ) -> None:
+        if scheduling not in ("queue", "batch"):
+            raise ValueError(f"unknown scheduling {scheduling!r}; expected 'queue' or 'batch'")
+        self.engine = engine
+        self.workflow = workflow
+        self.queue = queue
+        self.reward = reward
+        self.group_filter = group_filter
+        self.scheduling = scheduling
+        self.tracer = tracer or SpanRecorder("rollout", enabled=False)
+        self._tasks: dict[int, asyncio.Task[GroupReport]] = {}
+        self._aborting: dict[int, str] = {}
+
+    async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
+        """Start a wave of groups together, then report each as it ends (completion order).
+
+        Submitting a whole admission wave before the engine takes its next step makes the
+        engine's batches independent of message timing, so a wave reproduces the sync loop's
+        batches exactly.
+        """
+        if self.scheduling == "batch":
+            work = self._batch(groups)
+        else:
+            work = {gid: self.run_group(item, gid) for item, gid in groups}
+        tasks = {gid: asyncio.ensure_future(self._abortable(gid, coro)) for gid, coro in work.items()}
+        self._tasks.update(tasks)
+        try:
+            for done in asyncio.as_completed(list(tasks.values())):
+                yield await done
+        finally:
+            for gid, task in tasks.items():
+                task.cancel()
+                self._tasks.pop(gid, None)
+
+    def abort_groups(self, group_ids: Sequence[int], reason: str) -> None:
+        """Stop these groups; each reports ``reason``. A group whose wave has not arrived yet is
+        reported at once when it does; one that already finished stays reported as it was."""
+        for gid in group_ids:
+            task = self._tasks.get(gid)
+            if task is None or not task.done():
+                self._aborting[gid] = reason
+            if task is not None:
+                task.cancel()
+
+    async def run_group(self, item: PromptItem, group_id: int) -> GroupReport:
+        with self.tracer.span("generate", lane=f"group{group_id % 8}", group=group_id):
+            samples = await self.workflow.run(item, group_id, self.engine, self.reward)
+        return await self._store(group_id, samples)
+
+    def _batch(self, groups: Sequence[tuple[PromptItem, int]]) -> dict[int, Awaitable[GroupReport]]:
+        """One awaitable per group that scores only after the whole wave has generated."""
+        items = {gid: item for item, gid in groups}
+        gens = {gid: asyncio.ensure_future(self.workflow.generate(item, gid, self.engine)) for item, gid in groups}
+        barrier = asyncio.ensure_future(asyncio.wait(list(gens.values())))
+
+        async def report(gid: int) -> GroupReport:
+            try:
+                await asyncio.shield(barrier)
+            except asyncio.CancelledError:  # aborted (or the wave was dropped): stop its requests
+                gens[gid].cancel()
+                raise
+            with self.tracer.span("reward", lane=f"group{gid % 8}", group=gid):
+                samples = await self.workflow.score(items[gid], gid, gens[gid].result(), self.reward)
+            return await self._store(gid, samples)
+
+        return {gid: report(gid) for gid in gens}
+
+    async def _abortable(self, group_id: int, work: Awaitable[GroupReport]) -> GroupReport:
+        try:
+            if group_id in self._aborting:  # stopped before its wave arrived
+                if asyncio.iscoroutine(work):
+                    work.close()
+                raise asyncio.CancelledError
+            return await work
+        except asyncio.CancelledError:
+            reason = self._aborting.pop(group_id, None)
+            if reason is None:
+                raise
+            size = self.workflow.group_size
+            return GroupReport(group_id, -1, size, 0, (), discard_reason=reason, finished_at=time.time())
+
+    async def _store(self, group_id: int, samples: list[Sample]) -> GroupReport:
+        reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)
+        if reason is None:
+            indices, columns, meta = samples_to_rows(samples, self.workflow.group_size)
+            with self.tracer.span("queue_put", lane="queue", group=group_id):
+                await self.queue.put(indices, columns, meta)
+        return GroupReport(
+            group_id=group_id,
+            version=min(s.version for s in samples),
+            num_samples=len(samples),
+            response_tokens=sum(len(s.response_ids) for s in samples),
+            rewards=tuple(s.reward for s in samples),
+            discard_reason=reason,
+            finished_at=time.time(),
+        )
