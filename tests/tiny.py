@@ -25,15 +25,18 @@ def tiny_llama(seed: int = 0, vocab: int = VOCAB) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).float().eval()
 
 
-def save_tiny_task_model(path: Path) -> Path:
-    """A random tiny Llama with the default task's character tokenizer, saved as an HF folder."""
+def save_tiny_task_model(path: Path, head_dim: int = 8, seed: int = 0) -> Path:
+    """A random tiny Llama with the default task's character tokenizer, saved as an HF folder.
+    ``head_dim=64`` gives a shape vLLM's CPU attention kernels accept (hidden 128, 2 heads)."""
     from sluice.tasks import TASKS
     from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
 
     tok = build_char_tokenizer(TASKS["reverse_digits"].alphabet)
-    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
+    heads = 4 if head_dim == 8 else 2
+    spec = TinyLlamaSpec(hidden_size=heads * head_dim, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=2 if heads == 4 else 1, intermediate_size=2 * heads * head_dim,
+                         max_position_embeddings=64 if head_dim == 8 else 256)  # fmt: skip
+    build_tiny_llama(spec, tok, seed=seed).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

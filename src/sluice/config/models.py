@@ -7,7 +7,7 @@ and dotted overrides lives in ``config/loading.py``; this module only declares a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -69,6 +69,11 @@ class RolloutConfig(_Section):
     ``defer`` (finish running sequences on the old weights, then swap; drain time is counted),
     ``staggered`` (replicas one at a time; a single engine behaves like ``defer``)."""
 
+    engine: Literal["hf", "vllm"] = "hf"
+    """Inference engine of the rollout worker: ``hf`` (built-in torch continuous batching, no extra
+    install) or ``vllm`` (vLLM's AsyncLLM in the worker; options in ``vllm.*``; on CPU it needs
+    ``make vllm-venv``). ``vllm`` needs ``run.mode: async`` (docs/engines.md)."""
+
     filter_groups: Literal["none", "zero_signal"] = "none"
     """Dynamic filtering: ``zero_signal`` discards groups whose rewards are all equal (no GRPO
     signal) and returns their admission credit; discards are counted per reason."""
@@ -100,6 +105,26 @@ class RolloutConfig(_Section):
     stagger: int = Field(default=1, ge=1)
     """``weight_update: staggered``: how many replicas swap weights at a time while the others keep
     generating."""
+
+
+class VLLMConfig(_Section):
+    kv_cache_mb: int = Field(default=256, ge=1)
+    """KV-cache size in MiB, set explicitly (vLLM's own sizing misreads the free memory of some CPU
+    hosts). Raise it for long responses or large batches; on GPU use several GiB."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations. ``float32`` matches the trainer's log-probs closely;
+    ``bfloat16`` is faster on GPUs and AMX CPUs at the cost of larger behaviour/proximal gaps."""
+
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest prompt + response in tokens (``null``: the model config's maximum)."""
+
+    enforce_eager: bool | None = None
+    """Skip torch.compile / CUDA graphs. ``null``: true on CPU (compiling costs ~30 s there and
+    gains nothing), false on GPU."""
+
+    weights_dir: str = "/dev/shm"
+    """Where weight updates are written for vLLM to reload (tmpfs: RAM, no disk I/O)."""
 
 
 class TrainerConfig(_Section):
@@ -376,6 +401,9 @@ class SluiceConfig(_Section):
     run: RunConfig = RunConfig()
     """Run control and outputs."""
 
+    vllm: VLLMConfig = VLLMConfig()
+    """vLLM engine options (used when ``rollout.engine: vllm``)."""
+
     @model_validator(mode="after")
     def _data_parallel_placement(self) -> SluiceConfig:
         t = self.trainer
@@ -387,3 +415,18 @@ class SluiceConfig(_Section):
                     "trainer.data_parallel > 1 needs trainer.ppo_mini_batches = ppo_epochs = 1 and prox_logprobs: behav"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _engine_needs_async(self) -> SluiceConfig:
+        if self.rollout.engine != "hf" and self.run.mode != "async":
+            raise ValueError(
+                f"rollout.engine: {self.rollout.engine!r} runs only with run.mode: async "
+                "(the sync loop drives the built-in engine)"
+            )
+        return self
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments for the chosen ``rollout.engine`` (``engines.build_inference_engine``)."""
+        if self.rollout.engine == "vllm":
+            return self.vllm.model_dump()
+        return {}

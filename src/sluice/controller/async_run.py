@@ -53,6 +53,8 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         prompt_replication=cfg.rollout.prompt_replication,
         stagger=cfg.rollout.stagger,
         scheduling=cfg.rollout.scheduling,
+        engine=cfg.rollout.engine,
+        engine_options=cfg.engine_options(),
     )
 
 

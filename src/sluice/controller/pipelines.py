@@ -13,7 +13,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,8 @@ class PipelineSpec:
     scheduling: str = "queue"
     update_schedule: UpdateSchedule = ONE_UPDATE
     data_parallel: int = 1
+    engine: str = "hf"
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
 
 class _Pipeline:
@@ -275,6 +277,8 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "prompt_replication": spec.prompt_replication,
         "stagger": spec.stagger,
         "scheduling": spec.scheduling,
+        "engine": spec.engine,
+        "engine_options": spec.engine_options,
     }
 
 

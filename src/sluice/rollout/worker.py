@@ -12,7 +12,7 @@ decide admission, quotas or versions: the controller does.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ import torch
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
 from sluice.config.models import RewardConfig
-from sluice.engines.hf_inference import HFInferenceEngine
-from sluice.engines.hf_model import load_causal_lm, load_tokenizer
+from sluice.engines import build_inference_engine
+from sluice.engines.hf_model import load_tokenizer
 from sluice.rewards import build_reward_service
 from sluice.rollout.evaluate import EvalResult, evaluate_async
 from sluice.rollout.filters import GroupFilter
@@ -54,10 +54,15 @@ class RolloutWorker:
         prompt_replication: bool = True,
         stagger: int = 1,
         scheduling: Scheduling = "queue",
+        engine: str = "hf",
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.tokenizer = load_tokenizer(model_dir)
-        self.engines = [HFInferenceEngine(load_causal_lm(model_dir), max_batch=max_batch) for _ in range(replicas)]
+        self.engines: list[Any] = [
+            build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
+            for _ in range(replicas)
+        ]
         self.proxy = LLMProxy(self.engines, prompt_replication=prompt_replication, stagger=stagger)
         if params is not None and not params.stop_token_ids:
             params = SamplingParams(
