@@ -69,10 +69,11 @@ class RolloutConfig(_Section):
     ``defer`` (finish running sequences on the old weights, then swap; drain time is counted),
     ``staggered`` (replicas one at a time; a single engine behaves like ``defer``)."""
 
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
     """Inference engine of the rollout worker: ``hf`` (built-in torch continuous batching, no extra
-    install) or ``vllm`` (vLLM's AsyncLLM in the worker; options in ``vllm.*``; on CPU it needs
-    ``make vllm-venv``). ``vllm`` needs ``run.mode: async`` (docs/engines.md)."""
+    install), ``vllm`` (vLLM's AsyncLLM in the worker; options in ``vllm.*``; on CPU it needs
+    ``make vllm-venv``) or ``sglang`` (a running SGLang server, ``sglang.*``). ``vllm`` and
+    ``sglang`` need ``run.mode: async`` (docs/engines.md)."""
 
     filter_groups: Literal["none", "zero_signal"] = "none"
     """Dynamic filtering: ``zero_signal`` discards groups whose rewards are all equal (no GRPO
@@ -125,6 +126,19 @@ class VLLMConfig(_Section):
 
     weights_dir: str = "/dev/shm"
     """Where weight updates are written for vLLM to reload (tmpfs: RAM, no disk I/O)."""
+
+
+class SGLangConfig(_Section):
+    url: str = "http://127.0.0.1:30000"
+    """Base URL of a running SGLang server (``python -m sglang.launch_server --model-path ...``)
+    serving the same model folder."""
+
+    weights_dir: str = "/dev/shm"
+    """Where weight updates are written for ``/update_weights_from_disk``; the server must see
+    the same path (same machine, or a shared filesystem)."""
+
+    timeout_s: float = Field(default=600.0, gt=0.0)
+    """Per-HTTP-call limit in seconds (a whole generation is one call)."""
 
 
 class TrainerConfig(_Section):
@@ -404,6 +418,9 @@ class SluiceConfig(_Section):
     vllm: VLLMConfig = VLLMConfig()
     """vLLM engine options (used when ``rollout.engine: vllm``)."""
 
+    sglang: SGLangConfig = SGLangConfig()
+    """SGLang engine options (used when ``rollout.engine: sglang``)."""
+
     @model_validator(mode="after")
     def _data_parallel_placement(self) -> SluiceConfig:
         t = self.trainer
@@ -429,4 +446,6 @@ class SluiceConfig(_Section):
         """Keyword arguments for the chosen ``rollout.engine`` (``engines.build_inference_engine``)."""
         if self.rollout.engine == "vllm":
             return self.vllm.model_dump()
+        if self.rollout.engine == "sglang":
+            return self.sglang.model_dump()
         return {}

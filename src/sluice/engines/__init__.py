@@ -1,10 +1,10 @@
 """Engines: the only modules that import engine libraries. ``hf_inference`` generates with the
-built-in torch engine, ``vllm_engine`` with vLLM;
+built-in torch engine, ``vllm_engine`` with vLLM, ``sglang_engine`` through an SGLang server;
 ``hf_train`` trains, ``hf_model`` loads a model folder, ``weight_folder`` stages weight updates
 for engines in other processes.
 
 ``INFERENCE_ENGINES`` maps ``rollout.engine`` to a builder; each imports its library only when
-called, so ``import sluice`` does not need vLLM.
+called, so ``import sluice`` needs neither vLLM nor SGLang.
 """
 
 from __future__ import annotations
@@ -29,9 +29,16 @@ def _vllm(model_dir: str | Path, max_batch: int, options: Mapping[str, Any]) -> 
     return VLLMEngine(model_dir, max_batch=max_batch, **options)
 
 
+def _sglang(model_dir: str | Path, max_batch: int, options: Mapping[str, Any]) -> InferenceEngine:
+    from sluice.engines.sglang_engine import SGLangEngine
+
+    return SGLangEngine(model_dir, **options)
+
+
 INFERENCE_ENGINES: dict[str, Callable[[str | Path, int, Mapping[str, Any]], InferenceEngine]] = {
     "hf": _hf,
     "vllm": _vllm,
+    "sglang": _sglang,
 }
 
 
