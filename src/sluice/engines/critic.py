@@ -7,7 +7,8 @@ token ``t`` is read at the position that predicts it (the state before the token
 positions the trainer gathers log-probs at. ``CriticEngine.train_step`` minimises, per loss
 token, ``½ · max((V − R)², (V_old + clip(V − V_old, −ε, ε) − R)²)`` averaged over the step's
 loss tokens (PPO's value clipping keeps the critic near the values the advantages were
-computed with), in token-budgeted micro-batches with one AdamW step.
+computed with), in length-sorted padded chunks of at most ``token_budget`` positions (as the
+actor's ``padded`` layout) with one AdamW step.
 
 Deliberately not here: returns and advantages (``trainer/algos/gae.py``, ``trainer/ppo.py``),
 sharing the actor's trunk, and saving the critic.
@@ -23,7 +24,8 @@ import torch
 
 from sluice.api.types import Sample
 from sluice.engines.hf_model import load_causal_lm
-from sluice.trainer.microbatch import balance_by_tokens, pad_batch
+from sluice.engines.hf_train import length_buckets
+from sluice.trainer.microbatch import pad_batch
 
 
 class ValueModel(torch.nn.Module):
@@ -63,7 +65,7 @@ class CriticEngine:
         out: list[list[float]] = [[] for _ in samples]
         self.model.eval()
         with torch.no_grad():
-            for part in balance_by_tokens([s.num_tokens for s in samples], self.token_budget):
+            for part in length_buckets(samples, self.token_budget):
                 flat, lengths = self._forward([samples[i] for i in part])
                 for i, row in zip(part, torch.split(flat, lengths), strict=True):
                     out[i] = row.tolist()
@@ -78,7 +80,7 @@ class CriticEngine:
         self.optimizer.zero_grad(set_to_none=True)
         total = float(max(sum(sum(s.loss_mask) for s in samples), 1))
         stats = {"value_loss": 0.0, "value_clipped_tokens": 0.0, "value_tokens": 0.0}
-        for part in balance_by_tokens([s.num_tokens for s in samples], self.token_budget):
+        for part in length_buckets(samples, self.token_budget):
             values, _ = self._forward([samples[i] for i in part])
             target = _flat([returns[i] for i in part])
             old = _flat([old_values[i] for i in part])
