@@ -171,7 +171,9 @@ class RayPipeline(_Pipeline):
         self._rank_tokens: list[int] = []
         self.reference_actor = None
         if spec.algorithm.uses_reference:
-            reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True))
+            # no CPU reservation: one no-grad forward per row is light, and the rollout and trainer
+            # actors already hold every CPU of a small machine (it would never be scheduled)
+            reference_cls: Any = ray.remote(ReferenceWorker).options(**{**_actor_options(1, True), "num_cpus": 0})
             self.reference_actor = reference_cls.remote(spec.model_dir, self.queue, spec.engine_kwargs)
             self.reference_actor.serve.remote()  # runs until the queue shuts down
 
