@@ -1,20 +1,26 @@
-"""Engine throughput on long-tailed rollouts: continuous batching vs static (wave) batching.
+"""Engine throughput on long-tailed rollouts: continuous vs static (wave) batching, and vLLM.
 
 Runs the embedded default's base model (built and cached on first use) on GRPO-shaped
 requests (prompts × group size, temperature 1) of the reverse-digits task, whose response
 lengths are long-tailed. ``static`` admits a wave of ``max_batch`` requests and waits for the
 whole wave before the next (the classic synchronous batch); ``continuous`` lets a finished
 sequence's slot go to a waiting request at the next step. Both produce identical tokens (same
-seeds), so the difference is pure scheduling. Prints a table and writes JSON.
+seeds), so the difference is pure scheduling. ``--vllm`` adds vLLM (``VLLMEngine``, same model
+folder in float32, ``max_num_seqs = max_batch``) on the same requests; it samples with its own
+generator, so its lengths follow the same distribution but are not the same draws. vLLM's engine
+core binds its own process to one core. Prints a table and writes JSON.
 
     .venv/bin/python benchmarks/engine_throughput.py [--prompts 64] [--group 8] [--max-batch 128]
+    .venv-vllm/bin/python benchmarks/engine_throughput.py --vllm      # after `make vllm-venv`
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,12 +56,50 @@ def _run(engine: HFInferenceEngine, requests: list[GenerationRequest], wave: int
     return time.perf_counter() - start, results
 
 
+def _run_vllm(model_dir: Path, requests: list[GenerationRequest], max_batch: int, kv_cache_mb: int) -> tuple:
+    """(seconds, completions) of all requests submitted at once to a warmed-up ``VLLMEngine``."""
+    from sluice.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, max_batch=max_batch, kv_cache_mb=kv_cache_mb)
+
+    async def generate(batch: list[GenerationRequest]) -> list:
+        return await asyncio.gather(*(engine.generate(r) for r in batch))
+
+    loop = asyncio.new_event_loop()
+    try:
+        warm = [GenerationRequest(f"warm-{r.request_id}", r.prompt_ids, r.params, r.seed) for r in requests[:8]]
+        loop.run_until_complete(generate(warm))  # the first sampled batch with log-probs is slow once
+        start = time.perf_counter()
+        results = loop.run_until_complete(generate(requests))
+        return time.perf_counter() - start, results
+    finally:
+        engine.close()
+        pending = asyncio.all_tasks(loop)  # vLLM's output handler outlives the engine's shutdown
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+
+def _row(mode: str, seconds: float, results: list, reference: list | None) -> dict:
+    tokens = [list(c.token_ids) for c in results]
+    lengths = sorted(len(t) for t in tokens)
+    return {
+        "mode": mode, "requests": len(results), "tokens": sum(lengths), "seconds": round(seconds, 3),
+        "tokens_per_s": round(sum(lengths) / seconds, 1),
+        "len_p50": lengths[len(lengths) // 2], "len_max": lengths[-1],
+        "same_tokens_as_static": tokens == reference if reference is not None else None,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vllm", action="store_true", help="add vLLM (needs the vLLM venv)")
+    parser.add_argument("--kv-cache-mb", type=int, default=256, help="vLLM KV cache")
     parser.add_argument("--out", default="benchmarks/results/engine_throughput.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,21 +113,17 @@ def main() -> None:
         engine = HFInferenceEngine(load_causal_lm(model_dir), max_batch=args.max_batch)
         _run(engine, requests[: args.group], None)  # warm-up
         seconds, results = _run(engine, requests, wave)
-        tokens = [list(c.token_ids) for c in results]
-        reference = reference or tokens
-        lengths = sorted(len(t) for t in tokens)
-        rows.append({
-            "mode": mode, "requests": len(requests), "tokens": sum(lengths), "seconds": round(seconds, 3),
-            "tokens_per_s": round(sum(lengths) / seconds, 1),
-            "len_p50": lengths[len(lengths) // 2], "len_max": lengths[-1],
-            "same_tokens_as_static": tokens == reference,
-        })  # fmt: skip
+        reference = reference or [list(c.token_ids) for c in results]
+        rows.append(_row(mode, seconds, results, reference))
+    if args.vllm:
+        rows.append(_row("vllm", *_run_vllm(model_dir, requests, args.max_batch, args.kv_cache_mb), None))
     base = rows[0]["tokens_per_s"]
     print(f"{'mode':<11} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'speedup':>7}  p50/max  same")
     for r in rows:
+        same = "-" if r["same_tokens_as_static"] is None else r["same_tokens_as_static"]
         print(
             f"{r['mode']:<11} {r['requests']:>8} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>8.0f} "
-            f"{r['tokens_per_s'] / base:>6.2f}x  {r['len_p50']:>3}/{r['len_max']:<7}  {r['same_tokens_as_static']}"
+            f"{r['tokens_per_s'] / base:>6.2f}x  {r['len_p50']:>3}/{r['len_max']:<7}  {same}"
         )
     write_results(args.out, args, rows)
 

@@ -137,6 +137,25 @@ def test_abort_ends_one_request_and_spares_the_others(engine: VLLMEngine, model_
     assert engine.stats()["running"] == 0
 
 
+def test_pause_holds_decoding_until_resume(engine: VLLMEngine, model_dir: Path, loop) -> None:
+    async def main() -> tuple[Completion, float, float]:
+        task = asyncio.ensure_future(engine.generate(_request("p", _ids(model_dir, "77|"), 200, seed=5)))
+        while engine.stats()["generated_tokens"] < start + 5:
+            await asyncio.sleep(0.002)
+        engine.pause()
+        await asyncio.sleep(0.3)
+        held = engine.stats()["generated_tokens"]
+        await asyncio.sleep(0.3)
+        still = engine.stats()["generated_tokens"]
+        engine.resume()
+        return await task, held, still
+
+    start = engine.stats()["generated_tokens"]
+    done, held, still = loop.run_until_complete(main())
+    assert held == still and held < start + 200  # nothing decoded while paused
+    assert done.finish_reason == "length" and len(done.token_ids) == 200
+
+
 def test_interrupt_update_mixes_versions_and_each_token_matches_its_weights(
     engine: VLLMEngine, model_dir: Path, other_weights: dict[str, torch.Tensor], loop
 ) -> None:
