@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 from pathlib import Path
@@ -62,6 +63,12 @@ def test_weight_folders_write_versions_and_drop_superseded(model_dir: Path, tmp_
     assert not one.exists() and two.exists()
     folders.close()
     assert not two.exists() and not folders.base.exists()
+    dropped = WeightFolders(model_dir, tmp_path)
+    base = dropped.base
+    dropped.write(weights, 1)
+    del dropped  # never closed: the folder still goes when the object does (tmpfs is RAM)
+    gc.collect()
+    assert not base.exists()
 
 
 def test_untied_serving_copies_the_embedding_into_the_output_layer(model_dir: Path, tmp_path: Path) -> None:

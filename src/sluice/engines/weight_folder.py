@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,6 +57,8 @@ class WeightFolders:
         root = Path(root) if Path(root).is_dir() else Path(tempfile.gettempdir())
         self.base = Path(tempfile.mkdtemp(prefix=f"sluice-weights-{os.getpid()}-", dir=root))
         self.written: dict[int, Path] = {}
+        # tmpfs is RAM: remove the folders even when nobody calls close() (a worker's end, exit)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.base, ignore_errors=True)
 
     def serving_folder(self) -> Path:
         """The folder an engine should start from: the model folder itself, or (``untie``) an
@@ -91,7 +94,7 @@ class WeightFolders:
             shutil.rmtree(self.written.pop(old), ignore_errors=True)
 
     def close(self) -> None:
-        shutil.rmtree(self.base, ignore_errors=True)
+        self._cleanup()
         self.written.clear()
 
     def _save(self, weights: Mapping[str, torch.Tensor], folder: Path) -> None:
