@@ -1,5 +1,6 @@
-"""TransferQueue semantics on the Ray backend: the shared suite of ``tests/unit/test_queue.py``
-against ``RayQueue``, plus producers and consumers in other processes and on asyncio."""
+"""TransferQueue semantics on the Ray backend: the shared suites of ``tests/unit/test_queue.py`` and
+``tests/unit/test_queue_lifecycle.py`` against ``RayQueue``, plus producers and consumers in other
+processes and on asyncio, and a DP group whose ranks share one fetch over torch.distributed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ray
 from sluice.api import QueueClient
 from sluice.queue import QueueIterableDataset, RayQueue
 from unit import test_queue as shared
+from unit import test_queue_lifecycle as lifecycle
 
 pytestmark = pytest.mark.integration
 
@@ -20,8 +22,8 @@ pytestmark = pytest.mark.integration
 def make_queue(ray_cluster):
     made: list[RayQueue] = []
 
-    def make(num_units: int = 1) -> QueueClient:
-        made.append(RayQueue.create(num_storage_units=num_units))
+    def make(num_units: int = 1, free_consumed: bool = False) -> QueueClient:
+        made.append(RayQueue.create(num_storage_units=num_units, free_consumed=free_consumed))
         return made[-1]
 
     yield make
@@ -38,6 +40,11 @@ test_waiting_get_is_woken_by_writes_and_close = shared.test_waiting_get_is_woken
 test_variable_length_roundtrip_multi_unit = shared.test_variable_length_roundtrip_multi_unit
 test_snapshot_restore_roundtrip = shared.test_snapshot_restore_roundtrip
 test_clear_frees_rows_consumed_by_every_task = shared.test_clear_frees_rows_consumed_by_every_task
+test_partition_tells_not_yet_from_done = lifecycle.test_partition_tells_not_yet_from_done
+test_shards_redistribute_dp2_to_dp4 = lifecycle.test_shards_redistribute_dp2_to_dp4
+test_token_balanced_policy_evens_micro_batches = lifecycle.test_token_balanced_policy_evens_micro_batches
+test_free_consumed_keeps_memory_bounded = lifecycle.test_free_consumed_keeps_memory_bounded
+test_restore_mid_stream_neither_loses_nor_repeats = lifecycle.test_restore_mid_stream_neither_loses_nor_repeats
 
 
 def test_producers_and_consumers_in_ray_tasks(make_queue) -> None:
@@ -109,3 +116,42 @@ def test_async_client_producers_and_consumers_and_dataset(make_queue) -> None:
     assert len(got) == len(set(got)) and sorted(got) == list(range(60))
     q.put(list(range(60, 70)), {"x": [[i] for i in range(60, 70)]})
     assert [len(b) for b in QueueIterableDataset(q, "t", ["x"], batch_size=4)] == [4, 4, 2]  # closed: no waiting
+
+
+@ray.remote(num_cpus=0)
+class _Rank:
+    """One rank of a DP group: a gloo process group of its own, reading through ``DPGroupReader``."""
+
+    def __init__(self, rank: int, size: int, port: int) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+
+    def read(self, q: RayQueue | None, steps: int) -> list[tuple[tuple[int, ...], list[list[int]]]]:
+        from sluice.queue.dp_group import DPGroupReader, TorchGroupBroadcast
+
+        reader = DPGroupReader(q, TorchGroupBroadcast())
+        out = []
+        for _ in range(steps):
+            batch = reader.get("train", ["ids"], 4, timeout=10)
+            out.append((batch.indices, list(batch.columns["ids"])))
+        return out
+
+
+def test_dp_group_broadcast_over_torch_distributed(make_queue) -> None:
+    import socket
+
+    q = make_queue(2)
+    q.register_task("train", ["ids"])
+    q.put(list(range(12)), {"ids": [[i] * (i % 5) for i in range(12)]})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [_Rank.remote(r, 2, port) for r in range(2)]
+    got = ray.get([rank.read.remote(q if r == 0 else None, 3) for r, rank in enumerate(ranks)], timeout=60)
+    assert got[0] == got[1]  # rank 1 never talked to the queue, yet holds the same rows
+    assert sorted(i for indices, _ in got[0] for i in indices) == list(range(12))
+    assert all(cols == [[i] * (i % 5) for i in indices] for indices, cols in got[1])
+    assert q.stats()["tasks"]["train"]["consumed"] == 12
+    for rank in ranks:
+        ray.kill(rank)

@@ -163,7 +163,7 @@ def test_variable_length_roundtrip_multi_unit(make_queue: MakeQueue) -> None:
     assert batch.indices == tuple(range(n))
     assert batch.columns["ids"] == ids and batch.columns["lp"] == lp and batch.columns["obj"] == obj
     assert batch.columns["tup"] == tup and all(type(t) is tuple for t in batch.columns["tup"])
-    for got, want in zip(batch.columns["ten"] + batch.columns["f"], ten + f, strict=True):
+    for got, want in zip([*batch.columns["ten"], *batch.columns["f"]], ten + f, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert q.stats()["rows"] == n
 

@@ -14,7 +14,17 @@ from sluice.api.protocols import (
     TrainEngine,
     WeightSync,
 )
-from sluice.api.queue import AsyncQueueClient, Batch, Policy, QueueClient, RowMeta, StorageUnit
+from sluice.api.queue import (
+    AsyncQueueClient,
+    Batch,
+    GroupBroadcast,
+    Partition,
+    Policy,
+    QueueClient,
+    RowMeta,
+    Shard,
+    StorageUnit,
+)
 from sluice.api.types import (
     Completion,
     GenerationRequest,
@@ -33,12 +43,14 @@ __all__ = [
     "Batch",
     "Completion",
     "GenerationRequest",
+    "GroupBroadcast",
     "GroupReport",
     "InferenceEngine",
     "LengthPredictor",
     "LossInputs",
     "LossOutputs",
     "MicroBatch",
+    "Partition",
     "Policy",
     "PromptItem",
     "QueueClient",
@@ -48,6 +60,7 @@ __all__ = [
     "RowMeta",
     "Sample",
     "SamplingParams",
+    "Shard",
     "StorageUnit",
     "TrainEngine",
     "WeightSync",

@@ -8,7 +8,10 @@ in-process (``LocalQueue``) and on Ray (``RayQueue``). This module holds shapes 
 behaviour, no torch, no ray.
 
 Grouping is carried by the rows themselves: ``RowMeta.group_size`` says how many rows share
-``group_id``, so the ``"groups"`` policy stays a pure function of the candidate rows.
+``group_id``, so the ``"groups"`` policy stays a pure function of the candidate rows. A row may
+belong to one global-batch ``Partition`` (``RowMeta.partition``), whose expected row count lets a
+consumer tell "not yet" from "done" (``Batch.done``), and whose rows can be handed out in balanced
+``Shard`` s to the ranks of a data-parallel stage (DistFlow's redistribution).
 """
 
 from __future__ import annotations
@@ -32,22 +35,47 @@ class RowMeta:
     version: int
     num_tokens: int
     group_size: int = 1
+    partition: int = -1  # global-batch partition id; -1: none
 
-    def __reduce__(self) -> tuple[type[RowMeta], tuple[int, int, int, int, int]]:
+    def __reduce__(self) -> tuple[type[RowMeta], tuple[int, int, int, int, int, int]]:
         # a plain tuple on the wire: ~40x cheaper to pickle than the dataclass default
-        return (RowMeta, (self.index, self.group_id, self.version, self.num_tokens, self.group_size))
+        return (RowMeta, (self.index, self.group_id, self.version, self.num_tokens, self.group_size, self.partition))
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A global batch: rows written with ``put(..., partition=...)`` join it; ``expected_rows`` is
+    how many it will hold in all, so a task that consumed that many is done with it."""
+
+    id: int
+    expected_rows: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``size`` ranks reading one partition: the partition's rows are split into
+    ``size`` shards of equal row count (±1) and near-equal token count, the same split for every
+    rank (DistFlow's redistribution between stages of different data-parallel sizes)."""
+
+    rank: int
+    size: int
 
 
 @dataclass(frozen=True)
 class Batch:
     """Rows returned by one ``get``: ``columns[name][k]`` belongs to row ``indices[k]``.
 
-    Rows appear in the order the policy chose them (``"fifo"``: ascending index).
+    Rows appear in the order the policy chose them (``"fifo"``: ascending index). A column of
+    variable-length numeric rows is a ``sluice.queue.PackedColumn`` (one flat buffer plus
+    offsets; a row materialises on access), any other column a list. ``done`` is True when this
+    task will never get another row of the requested partition (all its expected rows consumed)
+    or, without a partition, when the queue is closed.
     """
 
     indices: tuple[int, ...]
-    columns: dict[str, list[Any]]
+    columns: dict[str, Sequence[Any]]
     meta: tuple[RowMeta, ...]
+    done: bool = False
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -66,9 +94,17 @@ class QueueClient(Protocol):
         ...
 
     def put(
-        self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None = None,
+        *,
+        partition: Partition | None = None,
     ) -> None:
-        """Write ``columns[name][k]`` to row ``indices[k]``; ``meta`` (aligned) with a row's first put."""
+        """Write ``columns[name][k]`` to row ``indices[k]``; ``meta`` (aligned) with a row's first put.
+
+        With ``partition``, the rows join it (their ``RowMeta.partition`` becomes its id).
+        """
         ...
 
     def get(
@@ -81,11 +117,16 @@ class QueueClient(Protocol):
         indices: Sequence[int] | None = None,
         min_size: int | None = None,
         timeout: float | None = None,
+        partition: int | None = None,
+        shard: Shard | None = None,
     ) -> Batch:
         """Up to ``batch_size`` ready rows not yet consumed by ``task``, now marked consumed.
 
         Waits (woken by writes, never polling) until ``min_size`` (default ``batch_size``) rows can
         be chosen, or ``timeout`` seconds pass, or the queue is closed; then returns what is ready.
+        ``partition`` restricts the rows to one partition and stops waiting once it is done;
+        ``shard`` (needs ``partition``) waits for the whole partition, then serves only this rank's
+        shard of it.
         """
         ...
 
@@ -117,7 +158,12 @@ class AsyncQueueClient(Protocol):
     async def register_task(self, task: str, input_columns: Sequence[str]) -> None: ...
 
     async def put(
-        self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None = None,
+        *,
+        partition: Partition | None = None,
     ) -> None: ...
 
     async def get(
@@ -130,6 +176,8 @@ class AsyncQueueClient(Protocol):
         indices: Sequence[int] | None = None,
         min_size: int | None = None,
         timeout: float | None = None,
+        partition: int | None = None,
+        shard: Shard | None = None,
     ) -> Batch: ...
 
     async def clear(self, indices: Sequence[int] | None = None) -> int: ...
@@ -175,4 +223,18 @@ class StorageUnit(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """Rows and bytes held."""
+        ...
+
+
+@runtime_checkable
+class GroupBroadcast(Protocol):
+    """The ranks of one data-parallel group (e.g. a ``torch.distributed`` group): one value, all ranks."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside the group."""
+        ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Every rank calls it; returns rank ``src``'s ``obj`` on every rank."""
         ...

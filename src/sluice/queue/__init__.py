@@ -8,10 +8,12 @@ and the torch ``QueueIterableDataset`` load on first use.
 
 from typing import Any
 
-from sluice.api.queue import AsyncQueueClient, Batch, QueueClient, RowMeta, StorageUnit
+from sluice.api.queue import AsyncQueueClient, Batch, Partition, QueueClient, RowMeta, Shard, StorageUnit
 from sluice.queue.client import AsyncLocalQueue, LocalQueue
-from sluice.queue.controller import POLICIES, TaskController
-from sluice.queue.storage import InMemoryStorageUnit, PackedColumn
+from sluice.queue.controller import TaskController
+from sluice.queue.packed import PackedColumn
+from sluice.queue.policies import POLICIES
+from sluice.queue.storage import InMemoryStorageUnit
 
 __all__ = [
     "POLICIES",
@@ -22,10 +24,12 @@ __all__ = [
     "InMemoryStorageUnit",
     "LocalQueue",
     "PackedColumn",
+    "Partition",
     "QueueClient",
     "QueueIterableDataset",
     "RayQueue",
     "RowMeta",
+    "Shard",
     "StorageUnit",
     "TaskController",
 ]

@@ -6,14 +6,14 @@ put writes the storage units (row ``i`` on unit ``i % num_storage_units``) and t
 controller of the (rows, columns) it made ready, which wakes waiting readers: a thread waits on
 an ``Event``, a coroutine on a future resolved with ``call_soon_threadsafe``. Nothing polls.
 
-Cleared rows are forgotten by storage and controllers; there is no automatic GC, because a task
-that consumes a row may still write columns to it (its output) after every other task is done,
-and a late write would resurrect a half row. The driver clears rows at step boundaries
-(``clear()`` frees every row all registered tasks consumed). Indices must never be reused.
+Freeing: ``clear()`` frees the rows every registered task consumed (the driver calls it at step
+boundaries); with ``free_consumed=True`` that happens on its own as soon as the last task reads a
+row, so memory stays bounded by the rows in flight. A freed index is never reused: later writes
+to it are ignored (a task writing an output column after everyone else is done cannot resurrect
+half a row). Register every task before its rows can be freed.
 
-It deliberately does not cross process boundaries (see ``ray_backend``), does not copy object
-values on put (lists of numbers are packed, other objects are stored by reference) and does not
-bound memory.
+It deliberately does not cross process boundaries (see ``ray_backend``) and does not copy object
+values on put (variable-length numeric columns are packed, other objects stored by reference).
 """
 
 from __future__ import annotations
@@ -21,69 +21,51 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sluice.api.queue import Batch, Policy, RowMeta, StorageUnit
+from sluice.api.queue import Batch, Partition, Policy, RowMeta, Shard, StorageUnit
 from sluice.queue.controller import TaskController, Waiter
+from sluice.queue.lifecycle import ConsumptionLedger
+from sluice.queue.request import (
+    ReadRequest,
+    check_put,
+    deadline_of,
+    is_done,
+    remaining,
+    resolve,
+    select,
+)
 from sluice.queue.storage import (
     InMemoryStorageUnit,
     group_by_columns,
+    merge_reads,
     merge_snapshots,
-    partition,
-    scatter_back,
+    placement,
     select_rows,
     split_snapshot,
+    with_partition,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def check_put(indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None) -> None:
-    """Reject malformed puts before any unit is written (shared by both backends)."""
-    if len(set(indices)) != len(indices):
-        raise ValueError("duplicate indices in one put")
-    for name, values in columns.items():
-        if len(values) != len(indices):
-            raise ValueError(f"column {name!r} has {len(values)} values for {len(indices)} rows")
-    if meta is not None and [m.index for m in meta] != list(indices):
-        raise ValueError("meta must be aligned with indices (meta[k].index == indices[k])")
-
-
-def deadline_of(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + max(0.0, timeout)
-
-
-def remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def needed(batch_size: int, min_size: int | None, closed: bool, deadline: float | None) -> int:
-    """Rows a get needs before it returns: ``min_size`` (default ``batch_size``), 0 once it may not wait."""
-    if min_size is not None and not 0 <= min_size <= batch_size:
-        raise ValueError(f"need 0 <= min_size ({min_size}) <= batch_size ({batch_size})")
-    if closed or (deadline is not None and time.monotonic() >= deadline):
-        return 0
-    return batch_size if min_size is None else min_size
-
-
-def resolve(fut: asyncio.Future[None]) -> None:
-    """Complete a waiter's future (idempotent)."""
-    if not fut.done():
-        fut.set_result(None)
 
 
 class LocalQueue:
     """Thread-safe in-process TransferQueue (implements ``sluice.api.queue.QueueClient``)."""
 
     def __init__(
-        self, num_storage_units: int = 1, unit_factory: Callable[[], StorageUnit] = InMemoryStorageUnit
+        self,
+        num_storage_units: int = 1,
+        unit_factory: Callable[[], StorageUnit] | None = None,
+        free_consumed: bool = False,
     ) -> None:
         if num_storage_units < 1:
             raise ValueError("num_storage_units must be >= 1")
-        self._units: list[StorageUnit] = [unit_factory() for _ in range(num_storage_units)]
+        make = unit_factory or (lambda: InMemoryStorageUnit(stride=num_storage_units))
+        self._units: list[StorageUnit] = [make() for _ in range(num_storage_units)]
         self._controllers: dict[str, TaskController] = {}
+        self._partitions: dict[int, int] = {}  # declared partition id -> expected rows
+        self._ledger = ConsumptionLedger() if free_consumed else None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -96,13 +78,21 @@ class LocalQueue:
                     raise ValueError(f"task {task!r} already registered with {existing.input_columns}")
                 return
             ctl = self._controllers[task] = TaskController(task, input_columns)
+            ctl.declare(self._partitions)
             for unit in self._units:
                 bootstrap(ctl, unit.catalog())
 
     def put(
-        self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None = None,
+        *,
+        partition: Partition | None = None,
     ) -> None:
         check_put(indices, columns, meta)
+        if partition is not None:
+            meta = with_partition(indices, meta, partition)
         names = list(columns)
         shares = [  # packed outside the lock
             (
@@ -111,9 +101,13 @@ class LocalQueue:
                 select_rows(columns, positions, pack=True),
                 None if meta is None else [meta[p] for p in positions],
             )
-            for unit, positions in partition(indices, len(self._units)).items()
+            for unit, positions in placement(indices, len(self._units)).items()
         ]
         with self._lock:
+            if partition is not None:
+                declare(self._partitions, partition)
+                for ctl in self._controllers.values():
+                    ctl.declare({partition.id: partition.expected_rows})
             for unit, sub_indices, sub_columns, sub_meta in shares:
                 metas = self._units[unit].write(sub_indices, sub_columns, sub_meta)
                 for ctl in self._controllers.values():
@@ -129,13 +123,16 @@ class LocalQueue:
         indices: Sequence[int] | None = None,
         min_size: int | None = None,
         timeout: float | None = None,
+        partition: int | None = None,
+        shard: Shard | None = None,
     ) -> Batch:
+        req = ReadRequest.of(task, columns, batch_size, policy, indices, min_size, partition, shard)
         deadline = deadline_of(timeout)
         event = threading.Event()
         waiter = event.set
         while True:
             event.clear()
-            batch = self.attempt(task, columns, batch_size, policy, indices, min_size, deadline, waiter)
+            batch = self.attempt(req, deadline, waiter)
             if batch is not None:
                 return batch
             try:
@@ -143,48 +140,26 @@ class LocalQueue:
             finally:
                 self.unwatch(task, waiter)
 
-    def attempt(
-        self,
-        task: str,
-        columns: Sequence[str],
-        batch_size: int,
-        policy: str | Policy,
-        indices: Sequence[int] | None,
-        min_size: int | None,
-        deadline: float | None,
-        waiter: Waiter,
-    ) -> Batch | None:
+    def attempt(self, req: ReadRequest, deadline: float | None, waiter: Waiter) -> Batch | None:
         """One selection attempt; if it must wait, ``waiter`` is registered in the same critical section."""
         with self._lock:
-            batch = self._take(task, columns, batch_size, policy, indices, min_size, deadline)
-            if batch is None:
-                self._controller(task).add_waiter(waiter)
-            return batch
+            ctl = self._controller(req.task)
+            metas = select(ctl, req, self._closed, deadline)
+            if metas is None:
+                ctl.add_waiter(waiter)
+                return None
+            chosen = [m.index for m in metas]
+            positions = placement(chosen, len(self._units))
+            parts = {u: self._units[u].read([chosen[p] for p in pos], req.columns) for u, pos in positions.items()}
+            data = merge_reads(parts, positions, req.columns, len(chosen))
+            done = is_done(ctl, req, self._closed, len(chosen))
+            if self._ledger is not None:
+                self._free(self._ledger.consumed(req.task, chosen, self._controllers))
+            return Batch(indices=tuple(chosen), columns=data, meta=tuple(metas), done=done)
 
     def unwatch(self, task: str, waiter: Waiter) -> None:
         with self._lock:
             self._controller(task).remove_waiter(waiter)
-
-    def _take(
-        self,
-        task: str,
-        columns: Sequence[str],
-        batch_size: int,
-        policy: str | Policy,
-        indices: Sequence[int] | None,
-        min_size: int | None,
-        deadline: float | None,
-    ) -> Batch | None:
-        """Select, mark consumed and read the rows (lock held); ``None`` means not enough yet."""
-        need = needed(batch_size, min_size, self._closed, deadline)
-        metas = self._controller(task).select(columns, batch_size, policy, indices, need)
-        if metas is None:
-            return None
-        chosen = [m.index for m in metas]
-        positions = partition(chosen, len(self._units))
-        parts = {u: self._units[u].read([chosen[p] for p in pos], columns) for u, pos in positions.items()}
-        data = scatter_back(parts, positions, columns, len(chosen))
-        return Batch(indices=tuple(chosen), columns=data, meta=tuple(metas))
 
     def _controller(self, task: str) -> TaskController:
         ctl = self._controllers.get(task)
@@ -192,29 +167,40 @@ class LocalQueue:
             raise KeyError(f"task {task!r} is not registered")
         return ctl
 
+    def _free(self, indices: Sequence[int]) -> int:
+        """Drop rows from storage and from every controller (lock held)."""
+        dropped = 0
+        for unit, positions in placement(indices, len(self._units)).items():
+            dropped += self._units[unit].drop([indices[p] for p in positions])
+        for ctl in self._controllers.values():
+            ctl.forget(indices)
+        if self._ledger is not None:
+            self._ledger.forget(indices)
+        return dropped
+
     def clear(self, indices: Sequence[int] | None = None) -> int:
         with self._lock:
             if indices is None:
                 consumed = [ctl.consumed for ctl in self._controllers.values()]
                 indices = sorted(set.intersection(*consumed)) if consumed else []
-            dropped = 0
-            for unit, positions in partition(indices, len(self._units)).items():
-                dropped += self._units[unit].drop([indices[p] for p in positions])
-            for ctl in self._controllers.values():
-                ctl.forget(indices)
-            return dropped
+            return self._free(indices)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "storage": merge_snapshots([unit.snapshot() for unit in self._units]),
                 "tasks": {task: ctl.snapshot() for task, ctl in self._controllers.items()},
+                "partitions": sorted(self._partitions.items()),
+                "ledger": [] if self._ledger is None else self._ledger.snapshot(),
             }
 
     def restore(self, state: dict[str, Any]) -> None:
         with self._lock:
             for unit, part in zip(self._units, split_snapshot(state["storage"], len(self._units)), strict=True):
                 unit.restore(part)
+            self._partitions.update((pid, n) for pid, n in state["partitions"])
+            if self._ledger is not None:
+                self._ledger.restore(state["ledger"])
             for task, ctl_state in state["tasks"].items():
                 ctl = self._controllers.get(task) or TaskController(task, ctl_state["input_columns"])
                 ctl.restore(ctl_state)
@@ -234,6 +220,13 @@ class LocalQueue:
             self._closed = True
             for ctl in self._controllers.values():
                 ctl.wake()
+
+
+def declare(partitions: dict[int, int], part: Partition) -> None:
+    """Record a partition's expected row count; a different count for a known id is an error."""
+    known = partitions.setdefault(part.id, part.expected_rows)
+    if known != part.expected_rows:
+        raise ValueError(f"partition {part.id} declared with {part.expected_rows} rows, earlier with {known}")
 
 
 def bootstrap(ctl: TaskController, catalog: Sequence[tuple[RowMeta, tuple[str, ...]]]) -> None:
@@ -256,9 +249,14 @@ class AsyncLocalQueue:
         self.queue.register_task(task, input_columns)
 
     async def put(
-        self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None = None,
+        *,
+        partition: Partition | None = None,
     ) -> None:
-        self.queue.put(indices, columns, meta)
+        self.queue.put(indices, columns, meta, partition=partition)
 
     async def get(
         self,
@@ -270,7 +268,10 @@ class AsyncLocalQueue:
         indices: Sequence[int] | None = None,
         min_size: int | None = None,
         timeout: float | None = None,
+        partition: int | None = None,
+        shard: Shard | None = None,
     ) -> Batch:
+        req = ReadRequest.of(task, columns, batch_size, policy, indices, min_size, partition, shard)
         loop = asyncio.get_running_loop()
         deadline = deadline_of(timeout)
         while True:
@@ -280,7 +281,7 @@ class AsyncLocalQueue:
                 if not loop.is_closed():
                     loop.call_soon_threadsafe(resolve, fut)
 
-            batch = self.queue.attempt(task, columns, batch_size, policy, indices, min_size, deadline, waiter)
+            batch = self.queue.attempt(req, deadline, waiter)
             if batch is not None:
                 return batch
             try:

@@ -1,160 +1,56 @@
-"""The TransferQueue on Ray: storage units and per-task controllers as async actors.
+"""The TransferQueue on Ray: storage units and per-task controllers as threaded actors.
 
 ``RayQueue.create(num_storage_units)`` starts the storage-unit actors (``num_cpus=0``); each
 ``register_task`` has unit 0 start that task's controller actor (so the queue's actors share
 its owner's lifetime) and registers it with every unit, which shows it the rows it already holds.
 Clients talk to controllers for metadata and to storage units for data, directly:
 
-- put: the client splits rows by ``index % num_units`` and writes each unit in parallel; a unit
-  stores the values, then notifies every registered controller of the (rows, columns) it made
-  ready and only then acknowledges, so a put is visible to every task when it returns.
-- get: the controller selects and marks rows consumed, waiting (on futures woken by those
-  notifications; async actors, so a waiting get never blocks other calls) until enough rows are
-  ready or the timeout passes; the client then reads the chosen rows from the units in parallel.
+- put: the client splits rows by ``index % num_units``, packs each unit's share of every
+  variable-length column into one flat buffer plus offsets, and writes the units in parallel; a
+  unit stores the buffers as received, then notifies every registered controller of the (rows,
+  columns) it made ready and only then acknowledges, so a put is visible to every task when it
+  returns.
+- get: the controller selects and marks rows consumed, its thread waiting on an event that those
+  notifications set (no polling; other calls run on other threads) until enough rows are ready,
+  the partition is done, or the timeout passes; the client then reads the chosen rows from the
+  units in parallel, one gathered buffer per column per unit, and merges them in batch order.
+- with ``free_consumed``, a unit frees a row once every registered task has read it, and tells
+  the controllers to forget it.
 
-``RayQueue`` (blocking) and ``AsyncRayQueue`` (coroutines, for async actors) are picklable: hand
-them to Ray tasks and actors. The semantics are ``LocalQueue``'s. It deliberately does not make
-``snapshot``/``clear`` atomic across actors (take them while the pipeline is paused, e.g. at a
-step boundary), survive the loss of a unit actor, or move data through the driver.
+The actors are threaded rather than asyncio actors: a Ray call into a threaded actor costs about
+half as much here, which is most of a small get. Bulk bytes travel as numpy buffers through Ray's
+object store (zero-copy on the reading side). ``RayQueue`` (blocking) and ``AsyncRayQueue``
+(coroutines, for async actors) are picklable: hand them to Ray tasks and actors. The semantics are
+``LocalQueue``'s. It deliberately does not make ``snapshot``/``clear`` atomic across actors (take
+them while the pipeline is paused, e.g. at a step boundary), survive the loss of a unit actor, or
+move data through the driver.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 
-from sluice.api.queue import Batch, Policy, RowMeta
-from sluice.queue.client import check_put, deadline_of, needed, remaining, resolve
-from sluice.queue.controller import TaskController
+from sluice.api.queue import Batch, Partition, Policy, RowMeta, Shard
+from sluice.queue import shm
+from sluice.queue.packed import array_to_metas, metas_to_array
+from sluice.queue.ray_actors import _Storage
+from sluice.queue.request import ReadRequest, check_put
 from sluice.queue.storage import (
-    InMemoryStorageUnit,
-    group_by_columns,
+    merge_reads,
     merge_snapshots,
-    partition,
-    scatter_back,
+    placement,
     select_rows,
     split_snapshot,
+    with_partition,
 )
 
 logger = logging.getLogger(__name__)
-
-
-class ControllerActor:
-    """One task's controller as an async actor: selection with server-side long-poll."""
-
-    def __init__(self, task: str, input_columns: Sequence[str]) -> None:
-        self._ctl = TaskController(task, input_columns)
-        self._closed = False
-
-    async def input_columns(self) -> tuple[str, ...]:
-        return self._ctl.input_columns
-
-    async def notify_ready(self, metas: list[RowMeta], columns: list[str]) -> None:
-        self._ctl.notify_ready(metas, columns)
-
-    async def select(
-        self,
-        columns: list[str],
-        batch_size: int,
-        policy: str | Policy,
-        indices: list[int] | None,
-        min_size: int | None,
-        timeout: float | None,
-    ) -> list[RowMeta]:
-        deadline = deadline_of(timeout)
-        loop = asyncio.get_running_loop()
-        while True:
-            need = needed(batch_size, min_size, self._closed, deadline)
-            metas = self._ctl.select(columns, batch_size, policy, indices, need)
-            if metas is not None:
-                return metas
-            fut: asyncio.Future[None] = loop.create_future()
-            waiter = functools.partial(resolve, fut)
-            self._ctl.add_waiter(waiter)
-            try:
-                await asyncio.wait([fut], timeout=remaining(deadline))
-            finally:
-                self._ctl.remove_waiter(waiter)
-
-    async def consumed(self) -> set[int]:
-        return self._ctl.consumed
-
-    async def forget(self, indices: list[int]) -> None:
-        self._ctl.forget(indices)
-
-    async def snapshot(self) -> dict[str, Any]:
-        return self._ctl.snapshot()
-
-    async def restore(self, state: dict[str, Any]) -> None:
-        self._ctl.restore(state)
-
-    async def stats(self) -> dict[str, int]:
-        return self._ctl.stats()
-
-    async def close(self) -> None:
-        self._closed = True
-        self._ctl.wake()
-
-
-class StorageActor:
-    """One storage unit as an async actor; broadcasts write notifications to the controllers."""
-
-    def __init__(self) -> None:
-        self._unit = InMemoryStorageUnit()
-        self._controllers: dict[str, Any] = {}  # task -> controller handle, notified on writes
-        self._owned: dict[str, Any] = {}  # controllers this unit started (unit 0 only)
-
-    async def create_controller(self, task: str, input_columns: list[str]) -> Any:
-        """Start the task's controller once; later calls must name the same columns."""
-        handle = self._owned.get(task)
-        if handle is None:
-            handle = self._owned[task] = _Controller.remote(task, input_columns)
-            return handle
-        existing = await handle.input_columns.remote()
-        if existing != tuple(dict.fromkeys(input_columns)):
-            raise ValueError(f"task {task!r} already registered with {existing}")
-        return handle
-
-    async def controllers(self) -> dict[str, Any]:
-        return dict(self._owned)
-
-    async def add_controller(self, task: str, handle: Any, show_rows: bool) -> None:
-        """Notify ``handle`` of every later write (and, with ``show_rows``, of the rows held now)."""
-        if task in self._controllers:
-            return
-        self._controllers[task] = handle
-        if show_rows:
-            groups = group_by_columns(self._unit.catalog())
-            await asyncio.gather(*(handle.notify_ready.remote(metas, list(names)) for names, metas in groups.items()))
-
-    async def write(self, indices: list[int], columns: dict[str, Sequence[Any]], meta: list[RowMeta] | None) -> None:
-        metas = self._unit.write(indices, columns, meta)
-        names = list(columns)
-        await asyncio.gather(*(h.notify_ready.remote(metas, names) for h in self._controllers.values()))
-
-    async def read(self, indices: list[int], columns: list[str]) -> dict[str, Sequence[Any]]:
-        return self._unit.read(indices, columns)
-
-    async def drop(self, indices: list[int]) -> int:
-        return self._unit.drop(indices)
-
-    async def snapshot(self) -> dict[str, Any]:
-        return self._unit.snapshot()
-
-    async def restore(self, state: dict[str, Any]) -> None:
-        self._unit.restore(state)
-
-    async def stats(self) -> dict[str, Any]:
-        return self._unit.stats()
-
-
-_Controller = ray.remote(num_cpus=0)(ControllerActor)
-_Storage = ray.remote(num_cpus=0)(StorageActor)
 
 
 class RayQueue:
@@ -163,18 +59,34 @@ class RayQueue:
     Picklable. Do not call it from an async actor's event loop; use ``as_async()`` there.
     """
 
-    def __init__(self, units: Sequence[Any]) -> None:
+    def __init__(
+        self, units: Sequence[Any], free_consumed: bool = False, unit_nodes: Sequence[str] | None = None
+    ) -> None:
         self.units = list(units)
+        self.free_consumed = free_consumed
+        self.unit_nodes = list(unit_nodes) if unit_nodes is not None else [""] * len(self.units)  # "": never shm
         self.task_handles: dict[str, Any] = {}  # cache: task -> controller handle
 
     @classmethod
-    def create(cls, num_storage_units: int = 1, tasks: Mapping[str, Sequence[str]] | None = None) -> RayQueue:
-        """Start the storage-unit actors on the connected Ray cluster (and ``tasks``' controllers)."""
+    def create(
+        cls,
+        num_storage_units: int = 1,
+        tasks: Mapping[str, Sequence[str]] | None = None,
+        free_consumed: bool = False,
+        shared_memory: bool = True,
+    ) -> RayQueue:
+        """Start the storage-unit actors on the connected Ray cluster (and ``tasks``' controllers).
+
+        ``shared_memory``: move bulk bytes through ``/dev/shm`` arenas between processes of one node
+        (else, and always across nodes, through Ray's object store).
+        """
         if num_storage_units < 1:
             raise ValueError("num_storage_units must be >= 1")
         if not ray.is_initialized():
             raise RuntimeError("ray.init() first")
-        queue = cls([_Storage.remote() for _ in range(num_storage_units)])
+        units = [_Storage.remote(num_storage_units, free_consumed) for _ in range(num_storage_units)]
+        nodes = ray.get([u.node_id.remote() for u in units]) if shared_memory else None
+        queue = cls(units, free_consumed, nodes)
         for task, input_columns in (tasks or {}).items():
             queue.register_task(task, input_columns)
         return queue
@@ -188,9 +100,19 @@ class RayQueue:
         self.task_handles[task] = handle
 
     def put(
-        self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None = None,
+        *,
+        partition: Partition | None = None,
     ) -> None:
-        ray.get(self.write_refs(indices, columns, meta))
+        refs, slots = self.write_refs(indices, columns, meta, partition)
+        try:
+            ray.get(refs)
+        finally:
+            if slots:
+                shm.outbox().free(slots)
 
     def get(
         self,
@@ -202,12 +124,15 @@ class RayQueue:
         indices: Sequence[int] | None = None,
         min_size: int | None = None,
         timeout: float | None = None,
+        partition: int | None = None,
+        shard: Shard | None = None,
     ) -> Batch:
-        wanted = None if indices is None else list(indices)
-        handle = self._controller(task)
-        metas = ray.get(handle.select.remote(list(columns), batch_size, policy, wanted, min_size, timeout))
-        positions, refs = self.read_refs(metas, columns)
-        return assemble(metas, positions, dict(zip(refs, ray.get(list(refs.values())), strict=True)), columns)
+        req = ReadRequest.of(task, columns, batch_size, policy, indices, min_size, partition, shard)
+        rows, done = ray.get(self._controller(task).select.remote(req, timeout))
+        metas = array_to_metas(rows)
+        positions, refs = self.read_refs(task, metas, req.columns)
+        parts = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+        return self.assemble(metas, positions, parts, req.columns, done)
 
     def clear(self, indices: Sequence[int] | None = None) -> int:
         handles = list(ray.get(self.units[0].controllers.remote()).values())
@@ -220,11 +145,22 @@ class RayQueue:
     def snapshot(self) -> dict[str, Any]:
         tasks = ray.get(self.units[0].controllers.remote())
         states = ray.get([h.snapshot.remote() for h in tasks.values()])
-        storage = merge_snapshots(ray.get([unit.snapshot.remote() for unit in self.units]))
-        return {"storage": storage, "tasks": dict(zip(tasks, states, strict=True))}
+        units = ray.get([unit.snapshot.remote() for unit in self.units])
+        partitions = sorted({(pid, n) for u in units for pid, n in u["partitions"]})
+        return {
+            "storage": merge_snapshots(units),
+            "tasks": dict(zip(tasks, states, strict=True)),
+            "partitions": partitions,
+            "ledger": [row for u in units for row in u["ledger"]],
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         parts = split_snapshot(state["storage"], len(self.units))
+        for part in parts:
+            part["partitions"] = state["partitions"]
+            part["ledger"] = []
+        for row in state["ledger"]:
+            parts[row[0] % len(self.units)]["ledger"].append(row)
         ray.get([unit.restore.remote(part) for unit, part in zip(self.units, parts, strict=True)])
         for task, ctl_state in state["tasks"].items():
             handle = ray.get(self.units[0].create_controller.remote(task, ctl_state["input_columns"]))
@@ -245,8 +181,13 @@ class RayQueue:
         """Kill the queue's actors (controllers first); the data is gone."""
         for handle in ray.get(self.units[0].controllers.remote()).values():
             ray.kill(handle)
+        ray.get([unit.close_arena.remote() for unit in self.units])
         for unit in self.units:
             ray.kill(unit)
+
+    def _local(self, unit: int) -> bool:
+        """Whether unit ``unit`` shares this process's node (then bytes go through shared memory)."""
+        return bool(self.unit_nodes[unit]) and self.unit_nodes[unit] == this_node()
 
     def _controller(self, task: str) -> Any:
         if task not in self.task_handles:
@@ -257,31 +198,64 @@ class RayQueue:
         return self.task_handles[task]
 
     def write_refs(
-        self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None
-    ) -> list[Any]:
-        """One write call per storage unit holding some of the rows."""
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None,
+        partition: Partition | None,
+    ) -> tuple[list[Any], list[int]]:
+        """One write call per storage unit holding some of the rows, and the outbox slots to free after."""
         check_put(indices, columns, meta)
-        refs = []
-        for unit, positions in partition(indices, len(self.units)).items():
-            sub_meta = None if meta is None else [meta[p] for p in positions]
+        if partition is not None:
+            meta = with_partition(indices, meta, partition)
+        refs, slots = [], []
+        for unit, positions in placement(indices, len(self.units)).items():
+            sub_meta = None if meta is None else metas_to_array([meta[p] for p in positions])
             sub_indices = [indices[p] for p in positions]
             sub_columns = select_rows(columns, positions, pack=True)  # numpy buffers on the wire, not int objects
-            refs.append(self.units[unit].write.remote(sub_indices, sub_columns, sub_meta))
-        return refs
+            if self._local(unit):
+                sub_columns, used = shm.to_wire(sub_columns, shm.outbox())
+                slots += used
+            refs.append(self.units[unit].write.remote(sub_indices, sub_columns, sub_meta, partition))
+        return refs, slots
 
     def read_refs(
-        self, metas: Sequence[RowMeta], columns: Sequence[str]
+        self, task: str, metas: Sequence[RowMeta], columns: Sequence[str]
     ) -> tuple[dict[int, list[int]], dict[int, Any]]:
         """Positions per unit and one read call per unit for the chosen rows."""
         chosen = [m.index for m in metas]
-        positions = partition(chosen, len(self.units))
-        refs = {u: self.units[u].read.remote([chosen[p] for p in pos], list(columns)) for u, pos in positions.items()}
+        positions = placement(chosen, len(self.units))
+        release = task if self.free_consumed else None
+        refs = {
+            u: self.units[u].read.remote([chosen[p] for p in pos], list(columns), release, self._local(u))
+            for u, pos in positions.items()
+        }
         return positions, refs
+
+    def assemble(
+        self,
+        metas: Sequence[RowMeta],
+        positions: dict[int, list[int]],
+        parts: dict[int, Any],
+        columns: Sequence[str],
+        done: bool,
+    ) -> Batch:
+        """The batch from the units' answers; arena slots are copied out, then released."""
+        local: dict[int, Any] = {}
+        used: dict[int, list[int]] = {}
+        for unit, part in parts.items():
+            local[unit], by_segment = shm.from_wire(part, copy=len(parts) == 1)
+            used[unit] = [s for seg in by_segment.values() for s in seg]
+        data = merge_reads(local, positions, columns, len(metas))  # copies out of the arenas
+        for unit, slots in used.items():
+            if slots:
+                self.units[unit].release.remote(slots)
+        return Batch(indices=tuple(m.index for m in metas), columns=data, meta=tuple(metas), done=done)
 
     def drop_refs(self, indices: Sequence[int]) -> list[Any]:
         return [
             self.units[u].drop.remote([indices[p] for p in pos])
-            for u, pos in partition(indices, len(self.units)).items()
+            for u, pos in placement(indices, len(self.units)).items()
         ]
 
 
@@ -298,9 +272,19 @@ class AsyncRayQueue:
         self.queue.task_handles[task] = handle
 
     async def put(
-        self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None = None,
+        *,
+        partition: Partition | None = None,
     ) -> None:
-        await asyncio.gather(*self.queue.write_refs(indices, columns, meta))
+        refs, slots = self.queue.write_refs(indices, columns, meta, partition)
+        try:
+            await asyncio.gather(*refs)
+        finally:
+            if slots:
+                shm.outbox().free(slots)
 
     async def get(
         self,
@@ -312,21 +296,21 @@ class AsyncRayQueue:
         indices: Sequence[int] | None = None,
         min_size: int | None = None,
         timeout: float | None = None,
+        partition: int | None = None,
+        shard: Shard | None = None,
     ) -> Batch:
-        wanted = None if indices is None else list(indices)
-        handle = await self._controller(task)
-        metas = await handle.select.remote(list(columns), batch_size, policy, wanted, min_size, timeout)
-        positions, refs = self.queue.read_refs(metas, columns)
+        req = ReadRequest.of(task, columns, batch_size, policy, indices, min_size, partition, shard)
+        handle: Any = self.queue.task_handles.get(task)
+        if handle is None:
+            handle = await asyncio.to_thread(self.queue._controller, task)
+        rows, done = await handle.select.remote(req, timeout)
+        metas = array_to_metas(rows)
+        positions, refs = self.queue.read_refs(task, metas, req.columns)
         parts = await asyncio.gather(*refs.values())
-        return assemble(metas, positions, dict(zip(refs, parts, strict=True)), columns)
+        return self.queue.assemble(metas, positions, dict(zip(refs, parts, strict=True)), req.columns, done)
 
     async def clear(self, indices: Sequence[int] | None = None) -> int:
-        handles = list((await self.queue.units[0].controllers.remote()).values())
-        if indices is None:
-            indices = common_rows(await asyncio.gather(*(h.consumed.remote() for h in handles)))
-        dropped = await asyncio.gather(*self.queue.drop_refs(indices))
-        await asyncio.gather(*(h.forget.remote(list(indices)) for h in handles))
-        return sum(dropped)
+        return await asyncio.to_thread(self.queue.clear, indices)
 
     async def snapshot(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.queue.snapshot)
@@ -338,23 +322,18 @@ class AsyncRayQueue:
         return await asyncio.to_thread(self.queue.stats)
 
     async def close(self) -> None:
-        handles = (await self.queue.units[0].controllers.remote()).values()
-        await asyncio.gather(*(h.close.remote() for h in handles))
-
-    async def _controller(self, task: str) -> Any:
-        if task not in self.queue.task_handles:
-            handle = (await self.queue.units[0].controllers.remote()).get(task)
-            if handle is None:
-                raise KeyError(f"task {task!r} is not registered")
-            self.queue.task_handles[task] = handle
-        return self.queue.task_handles[task]
+        await asyncio.to_thread(self.queue.close)
 
 
-def assemble(
-    metas: Sequence[RowMeta], positions: dict[int, list[int]], parts: dict[int, Any], columns: Sequence[str]
-) -> Batch:
-    data = scatter_back(parts, positions, columns, len(metas))
-    return Batch(indices=tuple(m.index for m in metas), columns=data, meta=tuple(metas))
+_node: tuple[int, str] | None = None
+
+
+def this_node() -> str:
+    """This process's Ray node id (cached per process; a pickled client asks again after a fork)."""
+    global _node
+    if _node is None or _node[0] != os.getpid():
+        _node = (os.getpid(), str(ray.get_runtime_context().get_node_id()))
+    return _node[1]
 
 
 def common_rows(consumed: Sequence[set[int]]) -> list[int]:

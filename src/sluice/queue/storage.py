@@ -1,13 +1,14 @@
 """Storage units of the TransferQueue: rows × columns in memory, plus row placement helpers.
 
 ``InMemoryStorageUnit`` keeps variable-length numeric columns (token ids, log-probs, given as
-lists, tuples or 1-D tensors) without padding: each put of such a column becomes one flat buffer
-``[total_tokens]`` plus offsets ``[rows + 1]``, and a row is a slice of it. Anything else (scalars,
-strings, dicts, 2-D tensors) is kept as the object itself. A buffer is freed when all its rows are
-dropped. Reads of packed columns return a ``PackedColumn`` (the rows gathered into one new
-buffer), so bytes, not per-row objects, cross process boundaries; clients pack puts the same
-way. Rows live on unit ``index % num_units`` (``partition``), so every client can compute a
-row's place without asking anyone.
+lists, tuples or 1-D tensors) without padding: each put of such a column is one ``PackedColumn``
+(flat buffer ``[total_tokens]`` plus offsets ``[rows + 1]``), kept as received, and a row is a
+slice of it. Anything else (scalars, strings, dicts, 2-D tensors) is kept as the object itself. A
+buffer is freed when all its rows are dropped; dropped indices are remembered (``FreedRows``) and
+later writes to them are ignored. Reads of packed columns return one ``PackedColumn`` (the rows
+gathered into one new buffer), so bytes, not per-row objects, cross process boundaries; clients
+pack puts the same way and merge the units' reads (``merge_reads``). Rows live on unit
+``index % num_units`` (``placement``), so every client can compute a row's place without asking.
 
 It deliberately does not know tasks, readiness or consumption (controllers do), does no
 locking (the client serialises calls; on Ray the actor does), imports torch only to materialise
@@ -17,107 +18,17 @@ a tensor row (a storage actor never needs to), and does not spill to disk.
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import astuple
-from itertools import chain
-from typing import Any, overload
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple, replace
+from typing import Any
 
-import numpy as np
+from sluice.api.queue import Partition, RowMeta
+from sluice.queue.lifecycle import FreedRows
+from sluice.queue.packed import PackedColumn, gather
 
-from sluice.api.queue import RowMeta
+__all__ = ["InMemoryStorageUnit", "PackedColumn"]
 
 logger = logging.getLogger(__name__)
-
-
-class PackedColumn(Sequence[Any]):
-    """Variable-length numeric rows without padding: one flat buffer plus offsets.
-
-    Row ``k`` is ``values[offsets[k]:offsets[k + 1]]``, materialised on access as it came in: a
-    ``list`` / ``tuple`` of Python numbers (``values`` int64 or float64, offsets in elements) or a
-    1-D tensor of torch dtype ``dtype`` (``values`` are its raw bytes, offsets in bytes, so a
-    process can hold, slice and ship it without importing torch). Pickles as two numpy arrays.
-    """
-
-    __slots__ = ("dtype", "kind", "offsets", "values")
-
-    def __init__(self, values: np.ndarray, offsets: np.ndarray, kind: str, dtype: str = "") -> None:
-        self.values = values  # [total elements] or [total bytes]
-        self.offsets = offsets  # int64 [rows + 1]
-        self.kind = kind  # "list" | "tuple" | "tensor"
-        self.dtype = dtype  # torch dtype name for "tensor", else ""
-
-    @staticmethod
-    def from_rows(rows: Sequence[Any]) -> PackedColumn | None:
-        """The packed form of ``rows``, or ``None`` if they are not 1-D numeric rows of one kind."""
-        if isinstance(rows, PackedColumn):
-            return rows
-        if not rows:
-            return None
-        return _pack_sequences(rows) or _pack_tensors(rows)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @overload
-    def __getitem__(self, k: int) -> Any: ...
-
-    @overload
-    def __getitem__(self, k: slice) -> list[Any]: ...
-
-    def __getitem__(self, k: int | slice) -> Any:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
-        part = self.values[int(self.offsets[k]) : int(self.offsets[k + 1])]
-        if self.kind == "list":
-            return part.tolist()
-        if self.kind == "tuple":
-            return tuple(part.tolist())
-        import torch
-
-        dtype = getattr(torch, self.dtype)
-        return torch.from_numpy(part.copy()).view(dtype) if len(part) else torch.empty(0, dtype=dtype)
-
-    def __iter__(self) -> Iterator[Any]:
-        return (self[k] for k in range(len(self)))
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.values.nbytes)
-
-
-def _offsets(lengths: Sequence[int]) -> np.ndarray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
-
-
-def _pack_sequences(rows: Sequence[Any]) -> PackedColumn | None:
-    kind = type(rows[0])
-    if kind not in (list, tuple) or any(type(v) is not kind for v in rows):
-        return None
-    flat = list(chain.from_iterable(rows))
-    if flat and type(flat[0]) not in (int, float):
-        return None
-    try:
-        buf = np.asarray(flat) if flat else np.zeros(0, dtype=np.int64)
-    except (ValueError, TypeError):  # ragged nested rows: keep them as objects
-        return None
-    if buf.ndim != 1 or buf.dtype.kind not in "if":
-        return None
-    return PackedColumn(buf, _offsets([len(v) for v in rows]), kind.__name__)
-
-
-def _pack_tensors(rows: Sequence[Any]) -> PackedColumn | None:
-    torch = sys.modules.get("torch")  # a tensor can only be here if torch is loaded
-    if torch is None:
-        return None
-    dtype = getattr(rows[0], "dtype", None)
-    if not all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype == dtype for v in rows):
-        return None
-    flat = torch.cat([v.detach().cpu() for v in rows])
-    raw = flat.view(torch.uint8).numpy().copy() if flat.numel() else np.zeros(0, dtype=np.uint8)
-    return PackedColumn(raw, _offsets([v.numel() * v.element_size() for v in rows]), "tensor", str(dtype)[6:])
 
 
 class _Slot:
@@ -130,37 +41,40 @@ class _Slot:
         self.pos = pos
 
 
-def _gather(cells: list[Any]) -> Sequence[Any]:
+def _read_cells(cells: list[Any]) -> Sequence[Any]:
     """Packed cells (possibly from several puts) as one ``PackedColumn`` if they agree, else rows."""
     if not all(type(c) is _Slot for c in cells):
         return [c.column[c.pos] if type(c) is _Slot else c for c in cells]
     first = cells[0].column
-    if any(
-        (c.column.kind, c.column.dtype, c.column.values.dtype) != (first.kind, first.dtype, first.values.dtype)
-        for c in cells
-    ):
+    if any(not c.column.compatible(first) for c in cells):
         return [c.column[c.pos] for c in cells]
-    parts = [c.column.values[int(c.column.offsets[c.pos]) : int(c.column.offsets[c.pos + 1])] for c in cells]
-    return PackedColumn(np.concatenate(parts), _offsets([len(p) for p in parts]), first.kind, first.dtype)
+    return gather([(c.column, c.pos) for c in cells], first)
 
 
 class InMemoryStorageUnit:
     """Rows × columns in this process's memory (implements ``sluice.api.queue.StorageUnit``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stride: int = 1) -> None:
         self._meta: dict[int, RowMeta] = {}
         self._cells: dict[str, dict[int, Any]] = {}
+        self._freed = FreedRows(stride)  # this unit holds every ``stride``-th row
+        self.late_writes = 0  # rows written after they were freed, ignored
 
     def write(
         self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
     ) -> list[RowMeta]:
-        """Store ``columns[name][k]`` as row ``indices[k]``; a new row without meta gets a default one."""
-        for name, values in columns.items():
-            if len(values) != len(indices):
-                raise ValueError(f"column {name!r} has {len(values)} values for {len(indices)} rows")
+        """Store ``columns[name][k]`` as row ``indices[k]``; a new row without meta gets a default one.
+
+        Rows freed earlier are skipped (counted in ``late_writes``); returns the written rows' metas.
+        """
+        check_aligned(indices, columns, meta)
+        live = [pos for pos, i in enumerate(indices) if i not in self._freed] if self._freed.num_ranges else None
+        if live is not None and len(live) < len(indices):
+            self.late_writes += len(indices) - len(live)
+            indices = [indices[p] for p in live]
+            meta = None if meta is None else [meta[p] for p in live]
+            columns = {name: _take(values, live) for name, values in columns.items()}
         if meta is not None:
-            if len(meta) != len(indices) or any(m.index != i for m, i in zip(meta, indices, strict=True)):
-                raise ValueError("meta must be aligned with indices (meta[k].index == indices[k])")
             self._meta.update(zip(indices, meta, strict=True))
         for i in indices:
             if i not in self._meta:
@@ -179,19 +93,22 @@ class InMemoryStorageUnit:
         out: dict[str, Sequence[Any]] = {}
         for name in columns:
             cells = self._cells.get(name, {})
-            missing = [i for i in indices if i not in cells]
-            if missing:
-                raise KeyError(f"rows {missing[:8]} have no column {name!r}")
-            out[name] = _gather([cells[i] for i in indices]) if indices else []
+            try:
+                out[name] = _read_cells([cells[i] for i in indices]) if indices else []
+            except KeyError:
+                missing = [i for i in indices if i not in cells]
+                raise KeyError(f"rows {missing[:8]} have no column {name!r}") from None
         return out
 
     def drop(self, indices: Sequence[int]) -> int:
+        """Forget the rows and remember them as freed (later writes to them are ignored)."""
         dropped = 0
         for i in indices:
             if self._meta.pop(i, None) is not None:
                 dropped += 1
             for cells in self._cells.values():
                 cells.pop(i, None)
+        self._freed.add(indices)
         return dropped
 
     def catalog(self) -> list[tuple[RowMeta, tuple[str, ...]]]:
@@ -202,21 +119,24 @@ class InMemoryStorageUnit:
         return [(self._meta[i], tuple(cols)) for i, cols in names.items()]
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"meta": [row tuples], "columns": {name: {"indices": [...], "values": ...}}}``.
+        """``{"meta": [row tuples], "columns": {name: {"indices", "values"}}, "freed": [indices]}``.
 
         ``values`` are as ``read`` returns them; ``merge_snapshots`` turns them into plain lists.
+        ``freed`` lists the freed row indices (compact in memory, explicit in a checkpoint).
         """
         columns = {}
         for name, cells in self._cells.items():
             indices = list(cells)
             columns[name] = {"indices": indices, "values": self.read(indices, [name])[name]}
-        return {"meta": [list(astuple(m)) for m in self._meta.values()], "columns": columns}
+        meta = [list(astuple(m)) for m in self._meta.values()]
+        return {"meta": meta, "columns": columns, "freed": self._freed.indices()}
 
     def restore(self, state: dict[str, Any]) -> None:
         meta = [RowMeta(*row) for row in state["meta"]]
         self.write([m.index for m in meta], {}, meta)
         for name, col in state["columns"].items():
             self.write(col["indices"], {name: col["values"]})
+        self._freed.add(state.get("freed", []))
 
     def stats(self) -> dict[str, Any]:
         chunks = {id(c.column): c.column for cells in self._cells.values() for c in cells.values() if type(c) is _Slot}
@@ -224,10 +144,27 @@ class InMemoryStorageUnit:
             "rows": len(self._meta),
             "columns": {name: len(cells) for name, cells in self._cells.items()},
             "packed_bytes": sum(c.nbytes for c in chunks.values()),
+            "freed_ranges": self._freed.num_ranges,
+            "late_writes": self.late_writes,
         }
 
 
-def partition(indices: Sequence[int], num_units: int) -> dict[int, list[int]]:
+def check_aligned(indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None) -> None:
+    """Every column and ``meta`` has one entry per index (``meta[k].index == indices[k]``)."""
+    for name, values in columns.items():
+        if len(values) != len(indices):
+            raise ValueError(f"column {name!r} has {len(values)} values for {len(indices)} rows")
+    if meta is not None and (
+        len(meta) != len(indices) or any(m.index != i for m, i in zip(meta, indices, strict=True))
+    ):
+        raise ValueError("meta must be aligned with indices (meta[k].index == indices[k])")
+
+
+def _take(values: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    return [values[p] for p in positions]
+
+
+def placement(indices: Sequence[int], num_units: int) -> dict[int, list[int]]:
     """Positions in ``indices`` per storage unit (unit of row ``i`` is ``i % num_units``)."""
     if not indices:
         return {}
@@ -245,21 +182,41 @@ def select_rows(
     """The sub-columns at ``positions`` (one storage unit's share of a put), packed if asked and possible."""
     out: dict[str, Sequence[Any]] = {}
     for name, values in columns.items():
-        rows = [values[p] for p in positions]
-        out[name] = (PackedColumn.from_rows(rows) or rows) if pack else rows
+        whole = len(positions) == len(values)  # positions ascend without repeats: all rows, in order
+        if isinstance(values, PackedColumn) and pack:
+            out[name] = values if whole else gather([(values, p) for p in positions], values)
+            continue
+        rows = values if whole else [values[p] for p in positions]
+        out[name] = (PackedColumn.from_rows(rows) or list(rows)) if pack else list(rows)
     return out
 
 
-def scatter_back(
+def merge_reads(
     parts: Mapping[int, Mapping[str, Sequence[Any]]], positions: Mapping[int, list[int]], columns: Sequence[str], n: int
-) -> dict[str, list[Any]]:
-    """Reassemble per-unit reads into columns aligned with the original ``n`` indices."""
-    out: dict[str, list[Any]] = {name: [None] * n for name in columns}
-    for unit, part in parts.items():
-        for name in columns:
-            target, values = out[name], part[name]
-            for p, v in zip(positions[unit], values, strict=True):
+) -> dict[str, Sequence[Any]]:
+    """Per-unit reads as columns aligned with the original ``n`` rows; packed parts stay packed."""
+    out: dict[str, Sequence[Any]] = {}
+    for name in columns:
+        pieces = [part[name] for part in parts.values()]
+        if len(parts) == 1:
+            (unit,) = parts
+            if positions[unit] == list(range(n)):
+                out[name] = pieces[0]
+                continue
+        packed = [p for p in pieces if isinstance(p, PackedColumn)]
+        if packed and len(packed) == len(pieces) and all(p.compatible(packed[0]) for p in packed):
+            at: list[Any] = [None] * n
+            for unit, part in parts.items():
+                col = part[name]
+                for k, p in enumerate(positions[unit]):
+                    at[p] = (col, k)
+            out[name] = gather(at, packed[0])
+            continue
+        target: list[Any] = [None] * n
+        for unit, part in parts.items():
+            for p, v in zip(positions[unit], part[name], strict=True):
                 target[p] = v
+        out[name] = target
     return out
 
 
@@ -271,11 +228,21 @@ def group_by_columns(catalog: Sequence[tuple[RowMeta, tuple[str, ...]]]) -> dict
     return groups
 
 
+def with_partition(indices: Sequence[int], meta: Sequence[RowMeta] | None, part: Partition) -> list[RowMeta]:
+    """The put's row metas, made members of ``part`` (rows without meta get a default one)."""
+    if part.expected_rows < 0:
+        raise ValueError(f"partition {part.id}: expected_rows must be >= 0, got {part.expected_rows}")
+    if meta is None:
+        return [RowMeta(index=i, group_id=i, version=0, num_tokens=0, partition=part.id) for i in indices]
+    return [m if m.partition == part.id else replace(m, partition=part.id) for m in meta]
+
+
 def merge_snapshots(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One unit-independent, plain-data storage state from the states of all units."""
-    merged: dict[str, Any] = {"meta": [], "columns": {}}
+    merged: dict[str, Any] = {"meta": [], "columns": {}, "freed": []}
     for state in states:
         merged["meta"].extend(state["meta"])
+        merged["freed"].extend(state.get("freed", []))
         for name, col in state["columns"].items():
             dst = merged["columns"].setdefault(name, {"indices": [], "values": []})
             dst["indices"].extend(col["indices"])
@@ -285,7 +252,9 @@ def merge_snapshots(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def split_snapshot(state: dict[str, Any], num_units: int) -> list[dict[str, Any]]:
     """The inverse of ``merge_snapshots`` for ``num_units`` units (which may differ), packed for the wire."""
-    parts: list[dict[str, Any]] = [{"meta": [], "columns": {}} for _ in range(num_units)]
+    parts: list[dict[str, Any]] = [{"meta": [], "columns": {}, "freed": []} for _ in range(num_units)]
+    for i in state.get("freed", []):
+        parts[i % num_units]["freed"].append(i)
     for row in state["meta"]:
         parts[row[0] % num_units]["meta"].append(row)
     for name, col in state["columns"].items():

@@ -160,3 +160,34 @@ def response_tensors(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         "behav_logprobs": torch.tensor([x for s in samples for x in s.behav_logprobs], dtype=torch.float32),
         "response_lengths": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
     }
+
+
+def balance_shards(token_counts: Sequence[int], num_shards: int) -> list[list[int]]:
+    """Split items into ``num_shards`` shards of equal size (±1 item) and near-equal token sums.
+
+    The data-parallel counterpart of ``balance_by_tokens``: every rank of a stage gets the same
+    number of rows (DistFlow's redistribution: 64 rows over 4 ranks give 16 each) while the
+    token load is balanced by LPT under that size limit (largest item first, to the least-loaded
+    shard that still has room; ties on the lower shard). Deterministic in the token counts.
+
+    Args:
+        token_counts: ``[items]`` token count of each item (≥ 0).
+        num_shards: number of shards (> 0); shards beyond the item count stay empty.
+
+    Returns:
+        ``num_shards`` lists of indices, ascending inside a shard; shard ``k`` holds
+        ``ceil`` or ``floor`` of ``items / num_shards`` items, the larger ones first.
+    """
+    if num_shards <= 0:
+        raise ValueError(f"num_shards must be > 0, got {num_shards}")
+    if any(c < 0 for c in token_counts):
+        raise ValueError("token counts must be non-negative")
+    n = len(token_counts)
+    room = [n // num_shards + (1 if k < n % num_shards else 0) for k in range(num_shards)]
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    loads = [0] * num_shards
+    for i in sorted(range(n), key=lambda i: (-token_counts[i], i)):
+        target = min((k for k in range(num_shards) if len(shards[k]) < room[k]), key=lambda k: (loads[k], k))
+        shards[target].append(i)
+        loads[target] += token_counts[i]
+    return [sorted(s) for s in shards]

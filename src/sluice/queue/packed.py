@@ -1,0 +1,161 @@
+"""``PackedColumn``: a column of variable-length numeric rows as one flat buffer plus offsets.
+
+The TransferQueue's padding-free, columnar wire and storage format (AsyncFlow §3.5): a put packs
+each such column once per storage unit, a unit stores the buffer as received and gathers the
+requested rows into one new buffer per read, and the client merges the units' buffers into one
+column in batch order. No per-row object crosses a process boundary; a row becomes a Python
+object only when it is accessed. Plain numpy, so a storage actor never imports torch.
+
+It deliberately does not handle nested or 2-D rows (those stay Python objects in a list).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from itertools import chain
+from typing import Any, overload
+
+import numpy as np
+
+from sluice.api.queue import RowMeta
+
+
+class PackedColumn(Sequence[Any]):
+    """Variable-length numeric rows without padding: one flat buffer plus offsets.
+
+    Row ``k`` is ``values[offsets[k]:offsets[k + 1]]``, materialised on access as it came in: a
+    ``list`` / ``tuple`` of Python numbers (``values`` int64 or float64, offsets in elements) or a
+    1-D tensor of torch dtype ``dtype`` (``values`` are its raw bytes, offsets in bytes, so a
+    process can hold, slice and ship it without importing torch). Pickles as two numpy arrays.
+    Compares equal to any sequence with equal rows.
+    """
+
+    __slots__ = ("dtype", "kind", "offsets", "values")
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray, kind: str, dtype: str = "") -> None:
+        self.values = values  # [total elements] or [total bytes]
+        self.offsets = offsets  # int64 [rows + 1]
+        self.kind = kind  # "list" | "tuple" | "tensor"
+        self.dtype = dtype  # torch dtype name for "tensor", else ""
+
+    @staticmethod
+    def from_rows(rows: Sequence[Any]) -> PackedColumn | None:
+        """The packed form of ``rows``, or ``None`` if they are not 1-D numeric rows of one kind."""
+        if isinstance(rows, PackedColumn):
+            return rows
+        if not rows:
+            return None
+        return _pack_sequences(rows) or _pack_tensors(rows)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @overload
+    def __getitem__(self, k: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[Any]: ...
+
+    def __getitem__(self, k: int | slice) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        n = len(self)
+        if not -n <= k < n:
+            raise IndexError(f"row {k} of a {n}-row column")
+        k %= n
+        part = self.values[int(self.offsets[k]) : int(self.offsets[k + 1])]
+        if self.kind == "list":
+            return part.tolist()
+        if self.kind == "tuple":
+            return tuple(part.tolist())
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        return torch.from_numpy(part.copy()).view(dtype) if len(part) else torch.empty(0, dtype=dtype)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[k] for k in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PackedColumn({len(self)} rows, {self.kind}{'/' + self.dtype if self.dtype else ''}, {self.nbytes} B)"
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.nbytes)
+
+    def lengths(self) -> np.ndarray:
+        """``[rows]`` row lengths (elements, or bytes for tensor rows)."""
+        return np.diff(self.offsets)
+
+    def compatible(self, other: PackedColumn) -> bool:
+        return (self.kind, self.dtype, self.values.dtype) == (other.kind, other.dtype, other.values.dtype)
+
+
+def offsets_of(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``[rows + 1]`` int64 offsets of rows with these lengths."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def gather(pieces: Sequence[tuple[PackedColumn, int]], like: PackedColumn) -> PackedColumn:
+    """One new ``PackedColumn`` of the rows ``(column, position)``, in order (all compatible with ``like``)."""
+    parts = [c.values[int(c.offsets[p]) : int(c.offsets[p + 1])] for c, p in pieces]
+    values = np.concatenate(parts) if parts else like.values[:0]
+    return PackedColumn(values, offsets_of([len(p) for p in parts]), like.kind, like.dtype)
+
+
+def _pack_sequences(rows: Sequence[Any]) -> PackedColumn | None:
+    kind = type(rows[0])
+    if kind not in (list, tuple) or any(type(v) is not kind for v in rows):
+        return None
+    flat = list(chain.from_iterable(rows))
+    if flat and type(flat[0]) not in (int, float):
+        return None
+    try:
+        buf = np.asarray(flat) if flat else np.zeros(0, dtype=np.int64)
+    except (ValueError, TypeError):  # ragged nested rows: keep them as objects
+        return None
+    if buf.ndim != 1 or buf.dtype.kind not in "if":
+        return None
+    return PackedColumn(buf, offsets_of([len(v) for v in rows]), kind.__name__)
+
+
+def _pack_tensors(rows: Sequence[Any]) -> PackedColumn | None:
+    torch = sys.modules.get("torch")  # a tensor can only be here if torch is loaded
+    if torch is None:
+        return None
+    dtype = getattr(rows[0], "dtype", None)
+    if not all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype == dtype for v in rows):
+        return None
+    plain = all(not v.requires_grad and v.device.type == "cpu" for v in rows)
+    flat = torch.cat(rows if plain else [v.detach().cpu() for v in rows])  # fresh: its numpy view shares nothing
+    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, dtype=np.uint8)
+    return PackedColumn(raw, offsets_of([v.numel() * v.element_size() for v in rows]), "tensor", str(dtype)[6:])
+
+
+META_FIELDS = 6
+"""Columns of ``metas_to_array``: the fields of ``RowMeta`` in order."""
+
+
+def metas_to_array(metas: Sequence[RowMeta]) -> np.ndarray:
+    """``[rows, 6]`` int64 array of ``RowMeta`` s: one buffer on the wire instead of one object per row
+    (unpickling a thousand small objects costs milliseconds)."""
+    if not metas:
+        return np.zeros((0, META_FIELDS), dtype=np.int64)
+    return np.array(
+        [(m.index, m.group_id, m.version, m.num_tokens, m.group_size, m.partition) for m in metas], dtype=np.int64
+    )
+
+
+def array_to_metas(rows: np.ndarray) -> list[RowMeta]:
+    """The inverse of ``metas_to_array``."""
+    return [RowMeta(*r) for r in rows.tolist()]

@@ -1,0 +1,210 @@
+"""The Ray actors of the TransferQueue: one per storage unit, one controller per task.
+
+Both are threaded actors (``max_concurrency``): a Ray call into a threaded actor costs about half
+as much as into an asyncio actor here, and a controller thread can wait for rows on an event
+without blocking other calls. A ``StorageActor`` stores writes and then notifies every
+registered controller before it acknowledges; with ``free_consumed`` it counts which tasks read
+each row and frees rows every task read. Unit 0 also starts the controllers, so the queue's
+actors share its owner's lifetime. Clients are in ``ray_backend``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from sluice.api.queue import Partition
+from sluice.queue import shm
+from sluice.queue.client import declare
+from sluice.queue.controller import TaskController
+from sluice.queue.lifecycle import ConsumptionLedger
+from sluice.queue.packed import array_to_metas, metas_to_array
+from sluice.queue.request import ReadRequest, deadline_of, is_done, remaining, select
+from sluice.queue.storage import InMemoryStorageUnit, group_by_columns
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_THREADS = 256
+"""Concurrent calls a controller actor serves; each waiting ``get`` holds one thread."""
+
+
+class ControllerActor:
+    """One task's controller as a threaded actor: selection with server-side waiting."""
+
+    def __init__(self, task: str, input_columns: Sequence[str]) -> None:
+        self._ctl = TaskController(task, input_columns)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def input_columns(self) -> tuple[str, ...]:
+        return self._ctl.input_columns
+
+    def notify_ready(self, rows: np.ndarray, columns: list[str], partitions: dict[int, int]) -> None:
+        """``rows``: the written rows' metas (``metas_to_array``)."""
+        metas = array_to_metas(rows)
+        with self._lock:
+            self._ctl.declare(partitions)
+            self._ctl.notify_ready(metas, columns)
+
+    def select(self, req: ReadRequest, timeout: float | None) -> tuple[np.ndarray, bool]:
+        """The chosen rows (now consumed; ``metas_to_array``) and ``Batch.done``; waits as ``get`` says."""
+        deadline = deadline_of(timeout)
+        event = threading.Event()
+        while True:
+            with self._lock:
+                metas = select(self._ctl, req, self._closed, deadline)
+                if metas is not None:
+                    return metas_to_array(metas), is_done(self._ctl, req, self._closed, len(metas))
+                event.clear()
+                self._ctl.add_waiter(event.set)
+            try:
+                event.wait(remaining(deadline))
+            finally:
+                with self._lock:
+                    self._ctl.remove_waiter(event.set)
+
+    def consumed(self) -> set[int]:
+        with self._lock:
+            return self._ctl.consumed
+
+    def forget(self, indices: list[int]) -> None:
+        with self._lock:
+            self._ctl.forget(indices)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return self._ctl.snapshot()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._ctl.restore(state)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._ctl.stats()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._ctl.wake()
+
+
+class StorageActor:
+    """One storage unit as a threaded actor; notifies the controllers of writes (and of frees)."""
+
+    def __init__(self, stride: int, free_consumed: bool) -> None:
+        self._unit = InMemoryStorageUnit(stride=stride)
+        self._arena: shm.Arena | None = None  # created on the first read answered through shared memory
+        self._lock = threading.Lock()
+        self._controllers: dict[str, Any] = {}  # task -> controller handle, notified on writes
+        self._owned: dict[str, Any] = {}  # controllers this unit started (unit 0 only)
+        self._partitions: dict[int, int] = {}
+        self._ledger = ConsumptionLedger() if free_consumed else None
+
+    def create_controller(self, task: str, input_columns: list[str]) -> Any:
+        """Start the task's controller once; later calls must name the same columns."""
+        handle = self._owned.get(task)
+        if handle is None:
+            handle = self._owned[task] = _Controller.remote(task, input_columns)
+            return handle
+        existing = ray.get(handle.input_columns.remote())
+        if existing != tuple(dict.fromkeys(input_columns)):
+            raise ValueError(f"task {task!r} already registered with {existing}")
+        return handle
+
+    def controllers(self) -> dict[str, Any]:
+        return dict(self._owned)
+
+    def node_id(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    def add_controller(self, task: str, handle: Any, show_rows: bool) -> None:
+        """Notify ``handle`` of every later write (and, with ``show_rows``, of the rows held now)."""
+        with self._lock:
+            if task in self._controllers:
+                return
+            self._controllers[task] = handle
+            groups = group_by_columns(self._unit.catalog()) if show_rows else {}
+            partitions = dict(self._partitions)
+        calls = [
+            handle.notify_ready.remote(metas_to_array(metas), list(names), partitions)
+            for names, metas in groups.items()
+        ]
+        ray.get(calls or [handle.notify_ready.remote(metas_to_array([]), [], partitions)])
+
+    def write(
+        self, indices: list[int], columns: dict[str, Sequence[Any]], meta: np.ndarray | None, part: Partition | None
+    ) -> None:
+        """Store the rows (``meta``: ``metas_to_array`` or ``None``), then notify every controller.
+
+        Columns that arrive in the sender's arena (``shm.ShmPacked``) are copied out before the ack.
+        """
+        columns, _ = shm.from_wire(columns, copy=True)
+        with self._lock:
+            if part is not None:
+                declare(self._partitions, part)
+            metas = self._unit.write(indices, columns, None if meta is None else array_to_metas(meta))
+            handles = list(self._controllers.values())
+        wire = meta if meta is not None and len(metas) == len(indices) else metas_to_array(metas)
+        declared = {} if part is None else {part.id: part.expected_rows}
+        ray.get([h.notify_ready.remote(wire, list(columns), declared) for h in handles])
+
+    def read(self, indices: list[int], columns: list[str], task: str | None, via_shm: bool) -> dict[str, Any]:
+        """The rows' columns (``via_shm``: packed ones in this unit's arena, freed by ``release``);
+        ``task`` (``free_consumed`` mode) records that it consumed them."""
+        with self._lock:
+            data = dict(self._unit.read(indices, columns))
+            freed: list[int] = []
+            if self._ledger is not None and task is not None:
+                freed = self._ledger.consumed(task, indices, self._controllers)
+                self._unit.drop(freed)
+            handles = list(self._controllers.values())
+            if via_shm:
+                if self._arena is None:
+                    self._arena = shm.Arena()
+                data, _ = shm.to_wire(data, self._arena)
+        for h in handles if freed else []:
+            h.forget.remote(freed)  # only shrinks the controllers' consumed sets: no need to wait
+        return data
+
+    def release(self, slots: list[int]) -> None:
+        """A reader copied these arena slots out: they may be reused."""
+        if self._arena is not None:
+            self._arena.free(slots)
+
+    def close_arena(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+
+    def drop(self, indices: list[int]) -> int:
+        with self._lock:
+            if self._ledger is not None:
+                self._ledger.forget(indices)
+            return self._unit.drop(indices)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            state = self._unit.snapshot()
+            state["partitions"] = sorted(self._partitions.items())
+            state["ledger"] = [] if self._ledger is None else self._ledger.snapshot()
+            return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._unit.restore(state)
+            self._partitions.update((pid, n) for pid, n in state["partitions"])
+            if self._ledger is not None:
+                self._ledger.restore(state["ledger"])
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._unit.stats()
+
+
+_Controller: Any = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_THREADS)(ControllerActor)  # type: ignore[call-overload]
+_Storage: Any = ray.remote(num_cpus=0, max_concurrency=16)(StorageActor)  # type: ignore[call-overload]
