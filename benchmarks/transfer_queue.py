@@ -138,7 +138,9 @@ def sluice_small(q: RayQueue, args, rows, out: dict) -> None:
 
 @ray.remote(num_cpus=1)
 class Producer:
-    def ready(self) -> bool:
+    def ready(self, q: RayQueue, warm_index: int) -> bool:
+        """Connect and set up the transport before the clock runs (the reference's actors do in init)."""
+        q.put([warm_index], {FIELD: [torch.zeros(20_000, dtype=torch.int64)]})
         return True
 
     def run(self, q: RayQueue, part: Partition, base: int, lengths: list[int], chunk: int, seed: int, t0: float):
@@ -155,8 +157,9 @@ class Producer:
 
 @ray.remote(num_cpus=1)
 class Consumer:
-    def ready(self) -> bool:
-        return True
+    def ready(self, q: RayQueue, task: str, part: int) -> bool:
+        """Connect before the clock runs: a read of the (still unknown) partition returns at once."""
+        return not q.get(task, [FIELD], 1, partition=part, timeout=0).done
 
     def run(self, q: RayQueue, task: str, part: int, base: int, mb: int, t0: float, timeout: float) -> dict:
         while time.monotonic() < t0:
@@ -184,7 +187,11 @@ def sluice_stream(q: RayQueue, args, out: dict) -> None:
         for task in set(tasks):
             q.register_task(task, [FIELD])
         prod, cons = Producer.remote(), [Consumer.remote() for _ in range(2)]
-        ray.get([a.ready.remote() for a in [prod, *cons]])  # started before the clock runs
+        warm = [prod.ready.remote(q, base - 1)] + [
+            c.ready.remote(q, t, part.id) for c, t in zip(cons, tasks, strict=True)
+        ]
+        ray.get(warm)  # started and connected before the clock runs
+        q.clear([base - 1])
         t0 = time.monotonic() + 1.0
         fut_p = prod.run.remote(q, part, base, lengths, args.stream_chunk, args.seed + 200, t0)
         futs = [c.run.remote(q, t, part.id, base, mb, t0, 180.0) for c, t in zip(cons, tasks, strict=True)]

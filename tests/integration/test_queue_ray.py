@@ -155,3 +155,22 @@ def test_dp_group_broadcast_over_torch_distributed(make_queue) -> None:
     assert q.stats()["tasks"]["train"]["consumed"] == 12
     for rank in ranks:
         ray.kill(rank)
+
+
+def test_object_store_path_and_remote_errors(ray_cluster) -> None:
+    """Without shared memory (as across nodes) every call and byte goes through Ray; errors still surface."""
+    q = RayQueue.create(num_storage_units=2, shared_memory=False)
+    try:
+        shared.test_variable_length_roundtrip_multi_unit(lambda num_units=2: q)
+    finally:
+        q.shutdown()
+    q = RayQueue.create(num_storage_units=2)
+    try:
+        q.register_task("t", ["x"])
+        with pytest.raises(ValueError, match="did not register"):
+            q.get("t", ["y"], 1, timeout=0)  # raised in the controller, over the direct socket
+        big = [list(range(20_000)), list(range(5))]  # one unit's share above the arena threshold
+        q.put([0, 1], {"x": big})
+        assert q.get("t", ["x"], 2).columns["x"] == big
+    finally:
+        q.shutdown()

@@ -10,6 +10,7 @@ actors share its owner's lifetime. Clients are in ``ray_backend``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -19,9 +20,10 @@ import numpy as np
 import ray
 
 from sluice.api.queue import Partition
-from sluice.queue import shm
+from sluice.queue import direct, shm
 from sluice.queue.client import declare
 from sluice.queue.controller import TaskController
+from sluice.queue.direct import DirectServer, fan_out
 from sluice.queue.lifecycle import ConsumptionLedger
 from sluice.queue.packed import array_to_metas, metas_to_array
 from sluice.queue.request import ReadRequest, deadline_of, is_done, remaining, select
@@ -36,10 +38,17 @@ CONTROLLER_THREADS = 256
 class ControllerActor:
     """One task's controller as a threaded actor: selection with server-side waiting."""
 
+    DIRECT_METHODS = ("notify_ready", "select")
+
     def __init__(self, task: str, input_columns: Sequence[str]) -> None:
         self._ctl = TaskController(task, input_columns)
         self._lock = threading.Lock()
         self._closed = False
+        self._direct = DirectServer(self)
+
+    def endpoint(self) -> tuple[str, str]:
+        """(node id, direct-call address) for same-node callers."""
+        return str(ray.get_runtime_context().get_node_id()), self._direct.address
 
     def input_columns(self) -> tuple[str, ...]:
         return self._ctl.input_columns
@@ -93,15 +102,24 @@ class ControllerActor:
             self._closed = True
             self._ctl.wake()
 
+    def close_transport(self) -> None:
+        self._direct.close()
+
 
 class StorageActor:
     """One storage unit as a threaded actor; notifies the controllers of writes (and of frees)."""
 
-    def __init__(self, stride: int, free_consumed: bool) -> None:
+    DIRECT_METHODS = ("write", "read", "release")
+
+    def __init__(self, stride: int, free_consumed: bool, shared_memory: bool = True) -> None:
+        self._direct = DirectServer(self)
+        self._node = str(ray.get_runtime_context().get_node_id())
         self._unit = InMemoryStorageUnit(stride=stride)
-        self._arena: shm.Arena | None = None  # created on the first read answered through shared memory
+        self._arena = shm.Arena() if shared_memory else None  # answers same-node reads
         self._lock = threading.Lock()
         self._controllers: dict[str, Any] = {}  # task -> controller handle, notified on writes
+        self._direct_to: dict[str, str] = {}  # task -> its controller's direct address (same node only)
+        self._inputs: dict[str, frozenset[str]] = {}  # task -> its input columns
         self._owned: dict[str, Any] = {}  # controllers this unit started (unit 0 only)
         self._partitions: dict[int, int] = {}
         self._ledger = ConsumptionLedger() if free_consumed else None
@@ -120,15 +138,21 @@ class StorageActor:
     def controllers(self) -> dict[str, Any]:
         return dict(self._owned)
 
-    def node_id(self) -> str:
-        return str(ray.get_runtime_context().get_node_id())
+    def endpoint(self) -> tuple[str, str]:
+        """(node id, direct-call address) for same-node callers."""
+        return self._node, self._direct.address
 
     def add_controller(self, task: str, handle: Any, show_rows: bool) -> None:
         """Notify ``handle`` of every later write (and, with ``show_rows``, of the rows held now)."""
+        node, address = ray.get(handle.endpoint.remote())
+        inputs = frozenset(ray.get(handle.input_columns.remote()))
         with self._lock:
             if task in self._controllers:
                 return
             self._controllers[task] = handle
+            self._inputs[task] = inputs
+            if node == self._node:
+                self._direct_to[task] = address
             groups = group_by_columns(self._unit.catalog()) if show_rows else {}
             partitions = dict(self._partitions)
         calls = [
@@ -136,6 +160,21 @@ class StorageActor:
             for names, metas in groups.items()
         ]
         ray.get(calls or [handle.notify_ready.remote(metas_to_array([]), [], partitions)])
+
+    def _notify(self, targets: list[tuple[str, Any]], rows: np.ndarray, names: list[str], declared: dict) -> None:
+        """Tell the controllers that read ``names`` (all, if a partition is declared) that ``rows``
+        now hold them: in parallel, directly when on this node."""
+        calls = []
+        for task, handle in targets:
+            if not declared and self._inputs[task].isdisjoint(names):
+                continue
+            if task in self._direct_to:
+                calls.append(
+                    functools.partial(direct.call, self._direct_to[task], "notify_ready", rows, names, declared)
+                )
+            else:
+                calls.append(functools.partial(ray.get, handle.notify_ready.remote(rows, names, declared)))
+        fan_out(calls)
 
     def write(
         self, indices: list[int], columns: dict[str, Sequence[Any]], meta: np.ndarray | None, part: Partition | None
@@ -149,10 +188,9 @@ class StorageActor:
             if part is not None:
                 declare(self._partitions, part)
             metas = self._unit.write(indices, columns, None if meta is None else array_to_metas(meta))
-            handles = list(self._controllers.values())
+            targets = list(self._controllers.items())
         wire = meta if meta is not None and len(metas) == len(indices) else metas_to_array(metas)
-        declared = {} if part is None else {part.id: part.expected_rows}
-        ray.get([h.notify_ready.remote(wire, list(columns), declared) for h in handles])
+        self._notify(targets, wire, list(columns), {} if part is None else {part.id: part.expected_rows})
 
     def read(self, indices: list[int], columns: list[str], task: str | None, via_shm: bool) -> dict[str, Any]:
         """The rows' columns (``via_shm``: packed ones in this unit's arena, freed by ``release``);
@@ -164,9 +202,7 @@ class StorageActor:
                 freed = self._ledger.consumed(task, indices, self._controllers)
                 self._unit.drop(freed)
             handles = list(self._controllers.values())
-            if via_shm:
-                if self._arena is None:
-                    self._arena = shm.Arena()
+            if via_shm and self._arena is not None:
                 data, _ = shm.to_wire(data, self._arena)
         for h in handles if freed else []:
             h.forget.remote(freed)  # only shrinks the controllers' consumed sets: no need to wait
@@ -177,9 +213,10 @@ class StorageActor:
         if self._arena is not None:
             self._arena.free(slots)
 
-    def close_arena(self) -> None:
+    def close_transport(self) -> None:
         if self._arena is not None:
             self._arena.close()
+        self._direct.close()
 
     def drop(self, indices: list[int]) -> int:
         with self._lock:

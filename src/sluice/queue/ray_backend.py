@@ -1,4 +1,4 @@
-"""The TransferQueue on Ray: storage units and per-task controllers as threaded actors.
+"""The TransferQueue on Ray: clients of the storage-unit and controller actors (``ray_actors``).
 
 ``RayQueue.create(num_storage_units)`` starts the storage-unit actors (``num_cpus=0``); each
 ``register_task`` has unit 0 start that task's controller actor (so the queue's actors share
@@ -7,37 +7,37 @@ Clients talk to controllers for metadata and to storage units for data, directly
 
 - put: the client splits rows by ``index % num_units``, packs each unit's share of every
   variable-length column into one flat buffer plus offsets, and writes the units in parallel; a
-  unit stores the buffers as received, then notifies every registered controller of the (rows,
-  columns) it made ready and only then acknowledges, so a put is visible to every task when it
-  returns.
+  unit stores the buffers, then notifies every controller that reads those columns and only then
+  acknowledges, so a put is visible to every task when it returns.
 - get: the controller selects and marks rows consumed, its thread waiting on an event that those
-  notifications set (no polling; other calls run on other threads) until enough rows are ready,
-  the partition is done, or the timeout passes; the client then reads the chosen rows from the
-  units in parallel, one gathered buffer per column per unit, and merges them in batch order.
-- with ``free_consumed``, a unit frees a row once every registered task has read it, and tells
-  the controllers to forget it.
+  notifications set (no polling) until enough rows are ready, the partition is done, or the
+  timeout passes; the client then reads the chosen rows from the units in parallel, one gathered
+  buffer per column per unit, and merges them in batch order.
+- with ``free_consumed``, a unit frees a row once every registered task has read it.
 
-The actors are threaded rather than asyncio actors: a Ray call into a threaded actor costs about
-half as much here, which is most of a small get. Bulk bytes travel as numpy buffers through Ray's
-object store (zero-copy on the reading side). ``RayQueue`` (blocking) and ``AsyncRayQueue``
-(coroutines, for async actors) are picklable: hand them to Ray tasks and actors. The semantics are
-``LocalQueue``'s. It deliberately does not make ``snapshot``/``clear`` atomic across actors (take
-them while the pipeline is paused, e.g. at a step boundary), survive the loss of a unit actor, or
-move data through the driver.
+Transport: between processes of one node, calls go over Unix sockets (``direct``: a fraction of a
+Ray call's cost, which is most of a small get) and buffers of 128 KiB or more through reusable
+shared-memory arenas (``shm``); across nodes, or with ``shared_memory=False``, everything goes
+through Ray (buffers zero-copy from its object store). ``RayQueue`` (blocking) and
+``AsyncRayQueue`` (coroutines over Ray calls, for async actors) are picklable: hand them to Ray
+tasks and actors. The semantics are ``LocalQueue``'s. It deliberately does not make
+``snapshot``/``clear`` atomic across actors (take them while the pipeline is paused, e.g. at a step
+boundary), survive the loss of a unit actor, or move data through the driver.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 
 from sluice.api.queue import Batch, Partition, Policy, RowMeta, Shard
-from sluice.queue import shm
+from sluice.queue import direct, shm
+from sluice.queue.direct import fan_out, this_node
 from sluice.queue.packed import array_to_metas, metas_to_array
 from sluice.queue.ray_actors import _Storage
 from sluice.queue.request import ReadRequest, check_put
@@ -60,12 +60,14 @@ class RayQueue:
     """
 
     def __init__(
-        self, units: Sequence[Any], free_consumed: bool = False, unit_nodes: Sequence[str] | None = None
+        self, units: Sequence[Any], free_consumed: bool = False, endpoints: Sequence[tuple[str, str]] | None = None
     ) -> None:
         self.units = list(units)
         self.free_consumed = free_consumed
-        self.unit_nodes = list(unit_nodes) if unit_nodes is not None else [""] * len(self.units)  # "": never shm
+        # per unit: (node id, direct-call address); node "" means: always through Ray
+        self.unit_endpoints = list(endpoints) if endpoints is not None else [("", "")] * len(self.units)
         self.task_handles: dict[str, Any] = {}  # cache: task -> controller handle
+        self.task_endpoints: dict[str, tuple[str, str]] = {}
 
     @classmethod
     def create(
@@ -77,16 +79,17 @@ class RayQueue:
     ) -> RayQueue:
         """Start the storage-unit actors on the connected Ray cluster (and ``tasks``' controllers).
 
-        ``shared_memory``: move bulk bytes through ``/dev/shm`` arenas between processes of one node
-        (else, and always across nodes, through Ray's object store).
+        ``shared_memory``: between processes of one node, move bulk bytes through ``/dev/shm``
+        arenas and make calls over Unix sockets (``direct``); else, and always across nodes,
+        everything goes through Ray.
         """
         if num_storage_units < 1:
             raise ValueError("num_storage_units must be >= 1")
         if not ray.is_initialized():
             raise RuntimeError("ray.init() first")
-        units = [_Storage.remote(num_storage_units, free_consumed) for _ in range(num_storage_units)]
-        nodes = ray.get([u.node_id.remote() for u in units]) if shared_memory else None
-        queue = cls(units, free_consumed, nodes)
+        units = [_Storage.remote(num_storage_units, free_consumed, shared_memory) for _ in range(num_storage_units)]
+        endpoints = ray.get([u.endpoint.remote() for u in units]) if shared_memory else None
+        queue = cls(units, free_consumed, endpoints)
         for task, input_columns in (tasks or {}).items():
             queue.register_task(task, input_columns)
         return queue
@@ -107,9 +110,9 @@ class RayQueue:
         *,
         partition: Partition | None = None,
     ) -> None:
-        refs, slots = self.write_refs(indices, columns, meta, partition)
+        calls, slots = self.write_calls(indices, columns, meta, partition)
         try:
-            ray.get(refs)
+            fan_out(calls)
         finally:
             if slots:
                 shm.outbox().free(slots)
@@ -128,10 +131,14 @@ class RayQueue:
         shard: Shard | None = None,
     ) -> Batch:
         req = ReadRequest.of(task, columns, batch_size, policy, indices, min_size, partition, shard)
-        rows, done = ray.get(self._controller(task).select.remote(req, timeout))
+        address = self._controller_address(task)
+        if address:
+            rows, done = direct.call(address, "select", req, timeout)
+        else:
+            rows, done = ray.get(self._controller(task).select.remote(req, timeout))
         metas = array_to_metas(rows)
-        positions, refs = self.read_refs(task, metas, req.columns)
-        parts = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+        positions, calls = self.read_calls(task, metas, req.columns)
+        parts = dict(zip(calls, fan_out(list(calls.values())), strict=True))
         return self.assemble(metas, positions, parts, req.columns, done)
 
     def clear(self, indices: Sequence[int] | None = None) -> int:
@@ -179,15 +186,26 @@ class RayQueue:
 
     def shutdown(self) -> None:
         """Kill the queue's actors (controllers first); the data is gone."""
-        for handle in ray.get(self.units[0].controllers.remote()).values():
+        controllers = list(ray.get(self.units[0].controllers.remote()).values())
+        ray.get([h.close_transport.remote() for h in controllers] + [u.close_transport.remote() for u in self.units])
+        for handle in controllers:
             ray.kill(handle)
-        ray.get([unit.close_arena.remote() for unit in self.units])
         for unit in self.units:
             ray.kill(unit)
 
     def _local(self, unit: int) -> bool:
-        """Whether unit ``unit`` shares this process's node (then bytes go through shared memory)."""
-        return bool(self.unit_nodes[unit]) and self.unit_nodes[unit] == this_node()
+        """Whether unit ``unit`` shares this process's node (then: shared memory and direct calls)."""
+        node = self.unit_endpoints[unit][0]
+        return bool(node) and node == this_node()
+
+    def _controller_address(self, task: str) -> str:
+        """The task's controller's direct-call address if it is on this node, else ``""``."""
+        if not self.unit_endpoints[0][0]:
+            return ""
+        if task not in self.task_endpoints:
+            self.task_endpoints[task] = ray.get(self._controller(task).endpoint.remote())
+        node, address = self.task_endpoints[task]
+        return address if node == this_node() else ""
 
     def _controller(self, task: str) -> Any:
         if task not in self.task_handles:
@@ -204,11 +222,39 @@ class RayQueue:
         meta: Sequence[RowMeta] | None,
         partition: Partition | None,
     ) -> tuple[list[Any], list[int]]:
-        """One write call per storage unit holding some of the rows, and the outbox slots to free after."""
+        """One Ray write call per storage unit holding some of the rows, and the outbox slots to free after."""
+        shares, slots = self._shares(indices, columns, meta, partition)
+        return [self.units[u].write.remote(*share) for u, share in shares], slots
+
+    def write_calls(
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None,
+        partition: Partition | None,
+    ) -> tuple[list[Callable[[], Any]], list[int]]:
+        """``write_refs`` as blocking calls: direct to same-node units, through Ray otherwise."""
+        shares, slots = self._shares(indices, columns, meta, partition)
+        calls: list[Callable[[], Any]] = []
+        for u, share in shares:
+            if self._local(u):
+                calls.append(functools.partial(direct.call, self.unit_endpoints[u][1], "write", *share))
+            else:
+                calls.append(functools.partial(ray.get, self.units[u].write.remote(*share)))
+        return calls, slots
+
+    def _shares(
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta] | None,
+        partition: Partition | None,
+    ) -> tuple[list[tuple[int, tuple[Any, ...]]], list[int]]:
+        """Each unit's write arguments (packed; big buffers in this process's arena when on its node)."""
         check_put(indices, columns, meta)
         if partition is not None:
             meta = with_partition(indices, meta, partition)
-        refs, slots = [], []
+        shares, slots = [], []
         for unit, positions in placement(indices, len(self.units)).items():
             sub_meta = None if meta is None else metas_to_array([meta[p] for p in positions])
             sub_indices = [indices[p] for p in positions]
@@ -216,21 +262,37 @@ class RayQueue:
             if self._local(unit):
                 sub_columns, used = shm.to_wire(sub_columns, shm.outbox())
                 slots += used
-            refs.append(self.units[unit].write.remote(sub_indices, sub_columns, sub_meta, partition))
-        return refs, slots
+            shares.append((unit, (sub_indices, sub_columns, sub_meta, partition)))
+        return shares, slots
 
     def read_refs(
         self, task: str, metas: Sequence[RowMeta], columns: Sequence[str]
     ) -> tuple[dict[int, list[int]], dict[int, Any]]:
-        """Positions per unit and one read call per unit for the chosen rows."""
+        """Positions per unit and one Ray read call per unit for the chosen rows."""
+        positions, args = self._read_args(task, metas, columns)
+        return positions, {u: self.units[u].read.remote(*a) for u, a in args.items()}
+
+    def read_calls(
+        self, task: str, metas: Sequence[RowMeta], columns: Sequence[str]
+    ) -> tuple[dict[int, list[int]], dict[int, Callable[[], Any]]]:
+        """``read_refs`` as blocking calls: direct to same-node units, through Ray otherwise."""
+        positions, args = self._read_args(task, metas, columns)
+        calls: dict[int, Callable[[], Any]] = {}
+        for u, a in args.items():
+            if self._local(u):
+                calls[u] = functools.partial(direct.call, self.unit_endpoints[u][1], "read", *a)
+            else:
+                calls[u] = functools.partial(ray.get, self.units[u].read.remote(*a))
+        return positions, calls
+
+    def _read_args(
+        self, task: str, metas: Sequence[RowMeta], columns: Sequence[str]
+    ) -> tuple[dict[int, list[int]], dict[int, tuple[Any, ...]]]:
         chosen = [m.index for m in metas]
         positions = placement(chosen, len(self.units))
         release = task if self.free_consumed else None
-        refs = {
-            u: self.units[u].read.remote([chosen[p] for p in pos], list(columns), release, self._local(u))
-            for u, pos in positions.items()
-        }
-        return positions, refs
+        args = {u: ([chosen[p] for p in pos], list(columns), release, self._local(u)) for u, pos in positions.items()}
+        return positions, args
 
     def assemble(
         self,
@@ -249,7 +311,7 @@ class RayQueue:
         data = merge_reads(local, positions, columns, len(metas))  # copies out of the arenas
         for unit, slots in used.items():
             if slots:
-                self.units[unit].release.remote(slots)
+                self.units[unit].release.remote(slots)  # no need to wait
         return Batch(indices=tuple(m.index for m in metas), columns=data, meta=tuple(metas), done=done)
 
     def drop_refs(self, indices: Sequence[int]) -> list[Any]:
@@ -323,17 +385,6 @@ class AsyncRayQueue:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.queue.close)
-
-
-_node: tuple[int, str] | None = None
-
-
-def this_node() -> str:
-    """This process's Ray node id (cached per process; a pickled client asks again after a fork)."""
-    global _node
-    if _node is None or _node[0] != os.getpid():
-        _node = (os.getpid(), str(ray.get_runtime_context().get_node_id()))
-    return _node[1]
 
 
 def common_rows(consumed: Sequence[set[int]]) -> list[int]:
