@@ -12,7 +12,7 @@ It deliberately does not handle nested or 2-D rows (those stay Python objects in
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, overload
 
@@ -106,11 +106,25 @@ def offsets_of(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     return offsets
 
 
-def gather(pieces: Sequence[tuple[PackedColumn, int]], like: PackedColumn) -> PackedColumn:
-    """One new ``PackedColumn`` of the rows ``(column, position)``, in order (all compatible with ``like``)."""
+Allocator = Callable[[int], "np.ndarray | None"]
+"""``nbytes -> uint8 buffer`` to gather into (e.g. a shared-memory slot), or ``None``: a fresh array."""
+
+
+def gather(
+    pieces: Sequence[tuple[PackedColumn, int]], like: PackedColumn, alloc: Allocator | None = None
+) -> PackedColumn:
+    """One new ``PackedColumn`` of the rows ``(column, position)``, in order (all compatible with ``like``);
+    its buffer comes from ``alloc`` when that gives one."""
     parts = [c.values[int(c.offsets[p]) : int(c.offsets[p + 1])] for c, p in pieces]
-    values = np.concatenate(parts) if parts else like.values[:0]
-    return PackedColumn(values, offsets_of([len(p) for p in parts]), like.kind, like.dtype)
+    offsets = offsets_of([len(p) for p in parts])
+    if not parts:
+        return PackedColumn(like.values[:0], offsets, like.kind, like.dtype)
+    raw = alloc(int(offsets[-1]) * like.values.itemsize) if alloc is not None else None
+    if raw is None:
+        return PackedColumn(np.concatenate(parts), offsets, like.kind, like.dtype)
+    values = raw.view(like.values.dtype)
+    np.concatenate(parts, out=values)
+    return PackedColumn(values, offsets, like.kind, like.dtype)
 
 
 def _pack_sequences(rows: Sequence[Any]) -> PackedColumn | None:

@@ -196,7 +196,8 @@ class StorageActor:
         """The rows' columns (``via_shm``: packed ones in this unit's arena, freed by ``release``);
         ``task`` (``free_consumed`` mode) records that it consumed them."""
         with self._lock:
-            data = dict(self._unit.read(indices, columns))
+            into = self._arena.buffer_for if via_shm and self._arena is not None else None
+            data = dict(self._unit.read(indices, columns, into))  # gathered straight into the arena
             freed: list[int] = []
             if self._ledger is not None and task is not None:
                 freed = self._ledger.consumed(task, indices, self._controllers)

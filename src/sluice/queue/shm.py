@@ -93,6 +93,7 @@ class Arena:
         self._live: deque[list[int]] = deque()  # [slot, offset, end, freed] in allocation order
         self._slots = itertools.count()
         self._by_slot: dict[int, list[int]] = {}
+        self._starts: dict[int, int] = {}  # offset -> slot of buffers handed out by ``buffer_for``
 
     def allocate(self, nbytes: int) -> tuple[int, int] | None:
         """``(slot, offset)`` of ``nbytes`` free bytes, or ``None`` if no contiguous room is free now."""
@@ -127,6 +128,20 @@ class Arena:
         slot, offset = got
         self.buffer[offset : offset + values.nbytes] = values.view(np.uint8)
         return ShmSlice(self.name, offset, values.nbytes, values.dtype.str, slot)
+
+    def buffer_for(self, nbytes: int) -> np.ndarray | None:
+        """A slot of ``nbytes`` to write into directly (an ``Allocator``); ``None`` if small or no room."""
+        got = self.allocate(nbytes) if nbytes >= MIN_BYTES else None
+        if got is None:
+            return None
+        self._starts[got[1]] = got[0]
+        return self.buffer[got[1] : got[1] + nbytes]
+
+    def slice_of(self, values: np.ndarray) -> ShmSlice | None:
+        """The ``ShmSlice`` of a buffer that ``buffer_for`` gave out (``None`` for any other array)."""
+        offset = values.__array_interface__["data"][0] - self.buffer.__array_interface__["data"][0]
+        slot = self._starts.pop(offset, None) if 0 <= offset < self.capacity else None
+        return None if slot is None else ShmSlice(self.name, offset, values.nbytes, values.dtype.str, slot)
 
     def free(self, slots: list[int]) -> None:
         with self._lock:
@@ -196,7 +211,7 @@ def to_wire(columns: dict[str, Any], arena: Arena) -> tuple[dict[str, Any], list
     slots = []
     for name, col in columns.items():
         big = isinstance(col, PackedColumn) and col.values.nbytes >= MIN_BYTES
-        piece = arena.put(col.values) if big else None
+        piece = (arena.slice_of(col.values) or arena.put(col.values)) if big else None
         if piece is None:
             out[name] = col
             continue

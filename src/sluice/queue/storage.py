@@ -24,7 +24,7 @@ from typing import Any
 
 from sluice.api.queue import Partition, RowMeta
 from sluice.queue.lifecycle import FreedRows
-from sluice.queue.packed import PackedColumn, gather
+from sluice.queue.packed import Allocator, PackedColumn, gather
 
 __all__ = ["InMemoryStorageUnit", "PackedColumn"]
 
@@ -41,14 +41,14 @@ class _Slot:
         self.pos = pos
 
 
-def _read_cells(cells: list[Any]) -> Sequence[Any]:
+def _read_cells(cells: list[Any], alloc: Allocator | None) -> Sequence[Any]:
     """Packed cells (possibly from several puts) as one ``PackedColumn`` if they agree, else rows."""
     if not all(type(c) is _Slot for c in cells):
         return [c.column[c.pos] if type(c) is _Slot else c for c in cells]
     first = cells[0].column
     if any(not c.column.compatible(first) for c in cells):
         return [c.column[c.pos] for c in cells]
-    return gather([(c.column, c.pos) for c in cells], first)
+    return gather([(c.column, c.pos) for c in cells], first, alloc)
 
 
 class InMemoryStorageUnit:
@@ -88,13 +88,16 @@ class InMemoryStorageUnit:
                 cells.update((i, _Slot(packed, pos)) for pos, i in enumerate(indices))
         return [self._meta[i] for i in indices]
 
-    def read(self, indices: Sequence[int], columns: Sequence[str]) -> dict[str, Sequence[Any]]:
-        """Column-level read; packed columns come back packed (``PackedColumn``), others as lists."""
+    def read(
+        self, indices: Sequence[int], columns: Sequence[str], alloc: Allocator | None = None
+    ) -> dict[str, Sequence[Any]]:
+        """Column-level read; packed columns come back packed (``PackedColumn``, gathered into
+        ``alloc``'s buffer when it gives one), others as lists."""
         out: dict[str, Sequence[Any]] = {}
         for name in columns:
             cells = self._cells.get(name, {})
             try:
-                out[name] = _read_cells([cells[i] for i in indices]) if indices else []
+                out[name] = _read_cells([cells[i] for i in indices], alloc) if indices else []
             except KeyError:
                 missing = [i for i in indices if i not in cells]
                 raise KeyError(f"rows {missing[:8]} have no column {name!r}") from None
