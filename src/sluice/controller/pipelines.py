@@ -156,9 +156,12 @@ class RayPipeline(_Pipeline):
         self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec))
         self.weight_sync = ObjectStoreWeightSync(name=f"sluice-weights-{os.getpid()}-{id(self)}")
         over = spec.rollout_threads + spec.trainer_threads * spec.data_parallel > (os.cpu_count() or 1)
-        rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over))
+        # Every actor must be placed at once (the trainer ranks meet in a rendezvous, the trainer
+        # waits on the reference worker), so they share the cluster's CPUs rather than queue for them.
+        share = actor_cpu_share(ray.cluster_resources().get("CPU", 1.0), spec)
+        rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over, share))
         self.rollout_actor = rollout_cls.remote(**_rollout_kwargs(spec, self.queue.as_async()))
-        trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over))
+        trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over, share))
         kwargs = _trainer_kwargs(spec, self.queue, self.weight_sync)
         self.trainer_actors = [trainer_cls.remote(**kwargs) for _ in range(spec.data_parallel)]
         self.trainer_actor = self.trainer_actors[0]  # rank 0: publishes weights, saves
@@ -171,9 +174,7 @@ class RayPipeline(_Pipeline):
         self._rank_tokens: list[int] = []
         self.reference_actor = None
         if spec.algorithm.uses_reference:
-            # no CPU reservation: one no-grad forward per row is light, and the rollout and trainer
-            # actors already hold every CPU of a small machine (it would never be scheduled)
-            reference_cls: Any = ray.remote(ReferenceWorker).options(**{**_actor_options(1, True), "num_cpus": 0})
+            reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True, share))
             self.reference_actor = reference_cls.remote(spec.model_dir, self.queue, spec.engine_kwargs)
             self.reference_actor.serve.remote()  # runs until the queue shuts down
 
@@ -299,12 +300,18 @@ def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any) -> dict[st
     }
 
 
-def _actor_options(threads: int, oversubscribed: bool) -> dict[str, Any]:
-    """One CPU per actor for Ray's bookkeeping; the real thread count goes to OpenMP."""
+def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:
+    """Ray CPUs per actor so that rollout, every trainer rank and the reference fit together."""
+    actors = 1 + spec.data_parallel + int(spec.algorithm.uses_reference)
+    return min(1.0, cluster_cpus / actors)
+
+
+def _actor_options(threads: int, oversubscribed: bool, cpus: float = 1.0) -> dict[str, Any]:
+    """``cpus`` (at most one) for Ray's placement bookkeeping; the real thread count goes to OpenMP."""
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     if oversubscribed:  # spinning OpenMP workers would steal cores from the other actor
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+    return {"num_cpus": cpus, "runtime_env": {"env_vars": env}}
 
 
 def ensure_ray(address: str | None) -> None:
