@@ -2,18 +2,19 @@
 
 Every field carries a docstring (``use_attribute_docstrings``), which ``sluice train --help-config``
 and ``docs/config.md`` render. Unknown keys are errors (``extra="forbid"``). Loading YAML files
-and dotted overrides lives in ``config/loading.py``; this module only declares and validates.
+and dotted overrides lives in ``config/loading.py``; the sections of services the rollout talks to
+(inference engines, the reward service) live in ``config/services.py``. This module only
+declares and validates.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+from sluice.config.section import Section as _Section
+from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
 
 
 class ModelConfig(_Section):
@@ -106,39 +107,6 @@ class RolloutConfig(_Section):
     stagger: int = Field(default=1, ge=1)
     """``weight_update: staggered``: how many replicas swap weights at a time while the others keep
     generating."""
-
-
-class VLLMConfig(_Section):
-    kv_cache_mb: int = Field(default=256, ge=1)
-    """KV-cache size in MiB, set explicitly (vLLM's own sizing misreads the free memory of some CPU
-    hosts). Raise it for long responses or large batches; on GPU use several GiB."""
-
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations. ``float32`` matches the trainer's log-probs closely;
-    ``bfloat16`` is faster on GPUs and AMX CPUs at the cost of larger behaviour/proximal gaps."""
-
-    max_model_len: int | None = Field(default=None, ge=1)
-    """Longest prompt + response in tokens (``null``: the model config's maximum)."""
-
-    enforce_eager: bool | None = None
-    """Skip torch.compile / CUDA graphs. ``null``: true on CPU (compiling costs ~30 s there and
-    gains nothing), false on GPU."""
-
-    weights_dir: str = "/dev/shm"
-    """Where weight updates are written for vLLM to reload (tmpfs: RAM, no disk I/O)."""
-
-
-class SGLangConfig(_Section):
-    url: str = "http://127.0.0.1:30000"
-    """Base URL of a running SGLang server (``python -m sglang.launch_server --model-path ...``)
-    serving the same model folder."""
-
-    weights_dir: str = "/dev/shm"
-    """Where weight updates are written for ``/update_weights_from_disk``; the server must see
-    the same path (same machine, or a shared filesystem)."""
-
-    timeout_s: float = Field(default=600.0, gt=0.0)
-    """Per-HTTP-call limit in seconds (a whole generation is one call)."""
 
 
 class TrainerConfig(_Section):
@@ -282,53 +250,6 @@ class TrainerConfig(_Section):
     longest group's length if that is more (0: the longest group's). Longer rows mean fewer rows
     but attention over a row is dense (O(row²)) on CPU; raise it on platforms with varlen
     attention kernels."""
-
-
-class RewardConfig(_Section):
-    name: Literal["exact_match", "math_verify", "code_exec"] | None = None
-    """Reward function: ``null`` uses the task's own (or the one passed to ``RLTrainer``);
-    ``exact_match`` (response equals the row's ``answer``), ``math_verify`` (mathematically equal
-    to ``answer``; needs ``pip install 'sluice[math]'``), ``code_exec`` (the response's Python
-    code plus the row's ``tests`` runs cleanly in the sandbox). See docs/rewards.md."""
-
-    pool_size: int = Field(default=2, ge=0)
-    """Reward worker processes per rollout worker, so scoring never blocks generation. 0 runs
-    the reward in a thread of the rollout worker (for rewards that cannot be pickled, e.g.
-    closures; a hung call then leaks its thread)."""
-
-    start_method: Literal["forkserver", "spawn"] = "forkserver"
-    """How reward processes start (never ``fork``: the parent runs torch threads). ``spawn``
-    where forkserver is unavailable."""
-
-    timeout_s: float = Field(default=30.0, gt=0.0)
-    """Per-call reward timeout: a call still running is killed, counted as
-    ``reward_timeout:<name>`` and its group discarded with that reason."""
-
-    sandbox_cpu_s: int = Field(default=5, ge=1)
-    """``code_exec``: CPU seconds a program may use (RLIMIT_CPU)."""
-
-    sandbox_memory_mb: int = Field(default=512, ge=16)
-    """``code_exec``: address-space limit of a program in MiB (RLIMIT_AS)."""
-
-    sandbox_wall_s: float = Field(default=10.0, gt=0.0)
-    """``code_exec``: wall-clock seconds before a program's whole session is killed (keep it
-    below ``timeout_s``)."""
-
-    sandbox_output_kb: int = Field(default=1024, ge=1)
-    """``code_exec``: largest stdout / stderr a program may write, in KiB (RLIMIT_FSIZE)."""
-
-    sandbox_network: Literal["isolate", "allow"] = "isolate"
-    """``code_exec``: ``isolate`` runs programs in a private network namespace (``unshare -rn``;
-    the run stops with a clear error where the host forbids it); ``allow`` gives them the
-    host's network (trusted code only)."""
-
-    @model_validator(mode="after")
-    def _sandbox_inside_timeout(self) -> RewardConfig:
-        if self.name == "code_exec" and self.sandbox_wall_s >= self.timeout_s:
-            raise ValueError(
-                f"reward.sandbox_wall_s ({self.sandbox_wall_s}) must be below reward.timeout_s ({self.timeout_s})"
-            )
-        return self
 
 
 class RunConfig(_Section):
