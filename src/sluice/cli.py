@@ -1,4 +1,5 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``config-docs``.
+"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``plan``, ``simulate``,
+``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2. All work is delegated to
@@ -53,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("path", help="run directory or trace JSON file")
     trace.add_argument("-o", "--output", help="PNG path (default: next to the trace, trace.png)")
     trace.set_defaults(func=_trace)
+    from sluice.sim.commands import add_commands
+
+    add_commands(sub)  # plan, simulate
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
     return parser
