@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="run training")
-    train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
     ev = sub.add_parser("eval", help="greedy held-out accuracy of a model folder")
@@ -66,7 +66,9 @@ def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
     path = None
     overrides = []
     for item in items:
-        if "=" in item:
+        if item.startswith("resume="):  # `sluice train CONFIG resume=auto`: short for run.resume
+            overrides.append(f"run.{item}")
+        elif "=" in item:
             overrides.append(item)
         elif path is None:
             path = item

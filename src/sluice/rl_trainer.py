@@ -29,6 +29,7 @@ import torch
 
 from sluice.api import PromptItem, RewardFn, Sample, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config
+from sluice.controller.resume import DriverState, checkpoint_due, open_run, restore_sync, save_sync_checkpoint
 from sluice.controller.sync_loop import run_sync
 from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_inference import HFInferenceEngine
@@ -79,6 +80,10 @@ class RLTrainer:
         self.reward: RewardFn = reward or self.task.reward
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.metrics = JsonlMetrics(None)
+        self.trained_ids_log = JsonlMetrics(None)
+        """One record per step: the ids (``Sample.uid``) of the samples it trained."""
+        self.resumed: DriverState | None = None
+        self.base_eval: EvalResult | None = None
         self.version = 0
         self.model_dir: Path | None = None
         self._buffer: list[Sample] = []
@@ -264,8 +269,8 @@ class RLTrainer:
         if not self._data_ready:
             self.load_prompt_data()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.resumed = open_run(self)  # the logs, and the checkpoint's state with run.resume
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        self.metrics = JsonlMetrics(self.run_dir / "metrics.jsonl")
         self._progress = progress or TrainProgress(cfg.run.steps, enabled=False)
         self._last_acc: float | None = None
         self._started = self._last_step_at = time.monotonic()
@@ -286,9 +291,11 @@ class RLTrainer:
         return self.run_dir / "final_model"
 
     def _fit_sync(self) -> tuple[EvalResult, EvalResult]:
-        base = self.log_eval(self.evaluate())
+        base = self.log_eval(self.evaluate()) if self.resumed is None else restore_sync(self, self.resumed)
+        self.base_eval = base
 
         def after_step(version: int, batch: list[Sample], metrics: dict[str, float]) -> bool:
+            self.trained_ids_log.log("trained", step=version, ids=[s.uid for s in batch])
             stats = {
                 **group_stats(batch),
                 "trained_tokens": float(sum(len(s.response_ids) for s in batch)),
@@ -297,7 +304,10 @@ class RLTrainer:
             }
             if self.eval_due(version):
                 self.log_eval(self.evaluate(), version)
-            return self.after_step(version, stats, metrics)
+            keep_going = self.after_step(version, stats, metrics)
+            if checkpoint_due(self, version):
+                save_sync_checkpoint(self, version)
+            return keep_going
 
         self.rollout_tracer.drain()  # the trace covers the loop only
         self.trainer_tracer.drain()

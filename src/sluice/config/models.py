@@ -301,6 +301,19 @@ class RunConfig(_Section):
     progress: bool = True
     """Show a progress bar (disable for logs / CI)."""
 
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Write a checkpoint every this many steps into ``<run dir>/checkpoints/`` (0: never). A
+    checkpoint holds everything a lossless resume needs (docs/checkpoint.md); use it for runs
+    that may be interrupted."""
+
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """How many of the newest complete checkpoints to keep; older ones are deleted."""
+
+    resume: str | None = None
+    """``auto``: continue this run dir from its newest complete checkpoint (start fresh if there is
+    none); a path: continue from that checkpoint folder; ``null``: start fresh. ``sluice train
+    resume=auto`` is short for ``run.resume=auto``."""
+
 
 class SluiceConfig(_Section):
     """A whole run."""

@@ -65,6 +65,8 @@ class AsyncController:
         self.version = pipeline.engine_version
         self.reports: dict[int, GroupReport] = {}
         self._next_group = 0
+        self._generating: dict[int, PromptItem] = {}
+        """Prompts of groups admitted and not yet reported (a checkpoint restarts them)."""
         self._news = asyncio.Event()
         self._rollouts: set[asyncio.Task[None]] = set()
         self._sync: asyncio.Task[None] | None = None
@@ -121,16 +123,42 @@ class AsyncController:
             gid, self._next_group = self._next_group, self._next_group + 1
             self.ledger.admitted(gid, self.pipeline.engine_version)
             wave.append((self.pipeline.next_prompt(), gid))
+        self._start_wave(wave)
+        self._news.set()
+
+    def _start_wave(self, wave: list[tuple[PromptItem, int]]) -> None:
         if wave:
+            self._generating.update((gid, item) for item, gid in wave)
             task = asyncio.create_task(self._rollout(wave))
             self._rollouts.add(task)
             task.add_done_callback(self._rollouts.discard)
-        self._news.set()
+
+    @property
+    def next_group(self) -> int:
+        return self._next_group
+
+    def generating_prompts(self) -> dict[int, PromptItem]:
+        """Prompts of the groups admitted and not yet reported, by group id."""
+        return dict(self._generating)
+
+    def resume(
+        self,
+        ledger: GroupLedger,
+        reports: dict[int, GroupReport],
+        next_group: int,
+        regenerate: list[tuple[PromptItem, int]],
+    ) -> None:
+        """Continue a checkpointed run (``controller/resume.py``): its books, and the groups that
+        were generating at the checkpoint, restarted with their ids and prompts and counted."""
+        self.ledger, self.reports, self._next_group = ledger, dict(reports), next_group
+        self.ledger.regenerated["restart_groups"] += len(regenerate)
+        self._start_wave(regenerate)
 
     async def _rollout(self, wave: list[tuple[PromptItem, int]]) -> None:
         try:
             async for report in self.pipeline.rollout_wave(wave):
                 self.reports[report.group_id] = report
+                self._generating.pop(report.group_id, None)
                 if self.ledger.late_report(report.group_id, report.num_samples):
                     continue  # a surplus group, discarded when it was aborted
                 reason = report.discard_reason

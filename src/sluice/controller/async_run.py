@@ -14,6 +14,7 @@ from typing import Any
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline
+from sluice.controller.resume import checkpoint_due, restore_async, resume_controller, save_async_checkpoint
 from sluice.controller.staleness import StalenessGate
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
@@ -69,7 +70,11 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
     trainer.pipeline = pipeline
     max_new = trainer.max_new_tokens
     try:
-        base = trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new))
+        if trainer.resumed is None:
+            base = trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new))
+        else:  # trainer state, engines at its version, the queue's untrained rows
+            base = await restore_async(trainer, pipeline, trainer.resumed)
+        trainer.base_eval = base
         gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
         ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups)
         controller = AsyncController(pipeline, ledger, cfg.rollout.prompts_per_step)
@@ -77,11 +82,17 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             trainer.version = version
+            trainer.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
             if trainer.eval_due(version):
                 trainer.log_eval(await pipeline.evaluate(trainer.eval_items, max_new), version)
-            return trainer.after_step(version, step_stats(controller, chosen, version, metrics), metrics)
+            keep_going = trainer.after_step(version, step_stats(controller, chosen, version, metrics), metrics)
+            if checkpoint_due(trainer, version):
+                await save_async_checkpoint(trainer, controller, pipeline, version)
+            return keep_going
 
         await pipeline.trace_events()  # drop the base evaluation: the trace covers the loop only
+        if trainer.resumed is not None:  # restart the groups that were generating at the checkpoint
+            resume_controller(controller, trainer.resumed)
         started = time.monotonic()
         await controller.run(cfg.run.steps, after_step)
         trainer.loop_seconds = time.monotonic() - started

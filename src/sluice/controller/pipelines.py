@@ -65,6 +65,8 @@ class PipelineSpec:
 class _Pipeline:
     """The verbs shared by both placements; subclasses say how to call the workers."""
 
+    queue: Any
+
     def __init__(self, spec: PipelineSpec, prompts: PromptStream) -> None:
         self.spec = spec
         self.prompts = prompts
@@ -72,6 +74,13 @@ class _Pipeline:
 
     def next_prompt(self) -> PromptItem:
         return self.prompts.take(1)[0]
+
+    async def queue_snapshot(self) -> dict[str, Any]:
+        """The queue's plain-data state (for a checkpoint; ``controller/resume.py`` filters it)."""
+        return await asyncio.to_thread(self.queue.snapshot)
+
+    async def queue_restore(self, state: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.queue.restore, state)
 
 
 class LocalPipeline(_Pipeline):
@@ -125,6 +134,15 @@ class LocalPipeline(_Pipeline):
 
     async def save(self, path: str) -> None:
         await self._in_trainer(self.trainer.save, path)
+
+    async def trained_ids(self) -> list[str]:
+        return self.trainer.trained_ids()
+
+    async def save_state(self, path: str) -> None:
+        await self._in_trainer(self.trainer.save_state, path)
+
+    async def load_state(self, path: str) -> int:
+        return await self._in_trainer(self.trainer.load_state, path)
 
     async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
         """((trainer version, checksum), (engine version, checksum))."""
@@ -228,6 +246,16 @@ class RayPipeline(_Pipeline):
 
     async def save(self, path: str) -> None:
         await self.trainer_actor.save.remote(path)
+
+    async def trained_ids(self) -> list[str]:
+        return await self.trainer_actor.trained_ids.remote()  # rank 0 holds every rank's
+
+    async def save_state(self, path: str) -> None:
+        await self.trainer_actor.save_state.remote(path)  # the ranks are replicas
+
+    async def load_state(self, path: str) -> int:
+        versions = await asyncio.gather(*(a.load_state.remote(path) for a in self.trainer_actors))
+        return versions[0]
 
     async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
         """((trainer version, checksum), (engine version, checksum)), each from its own actor; every

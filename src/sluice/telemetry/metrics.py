@@ -16,13 +16,15 @@ from typing import Any
 class JsonlMetrics:
     """Appends ``{"kind": ..., "time": ..., **values}`` records to a JSONL file."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, *, append: bool = False) -> None:
+        """``append``: keep what the file holds (a resumed run continues it); else start it empty."""
         self.path = Path(path) if path is not None else None
         self.history: list[dict[str, Any]] = []
         self._start = time.monotonic()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if not append or not self.path.exists():
+                self.path.write_text("")
 
     def log(self, kind: str, **values: Any) -> dict[str, Any]:
         record = {"kind": kind, "elapsed_s": round(time.monotonic() - self._start, 3), **values}

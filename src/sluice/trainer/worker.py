@@ -25,10 +25,12 @@ from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
+from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.step import InOrderPacker, step_normaliser
 from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule, proximal_logprobs, train_global_batch
 
 TRAIN_TASK = "train"
+TRAINER_STATE = "trainer_state.pt"
 
 
 class TrainerWorker:
@@ -61,6 +63,7 @@ class TrainerWorker:
         self._step: InOrderPacker | None = None
         self._held: list[Sample] = []
         self._timing: dict[str, float] = {}
+        self._trained_uids: list[str] = []
         self.dp: DataParallelGroup | None = None
 
     def rendezvous_address(self) -> str:
@@ -146,6 +149,7 @@ class TrainerWorker:
             with self.tracer.span("weight_publish", lane="trainer", version=self.version):
                 self.weight_sync.publish(self.engine.export_weights(), self.version)
         trained = sum(len(s.response_ids) for s in samples)
+        self._trained_uids = [s.uid for s in samples]
         self._step = None
         return {
             "optimizer_steps": 1.0,
@@ -165,6 +169,28 @@ class TrainerWorker:
 
     def save(self, path: str) -> None:
         self.engine.save(path)
+
+    def trained_ids(self) -> list[str]:
+        """Ids (``Sample.uid``) of the samples the last finished step trained, every rank's."""
+        return list(self._trained_uids)
+
+    def save_state(self, path: str) -> None:
+        """Checkpoint between steps: weights and optimizer (``path`` becomes an HF folder), this
+        process's RNG and the policy version."""
+        assert self._step is None, "checkpoint between steps only"
+        self.engine.save(path)
+        torch.save({"version": self.version, "rng": capture_rng()}, Path(path) / TRAINER_STATE)
+
+    def load_state(self, path: str) -> int:
+        """Resume from ``save_state``; rank 0 republishes the weights as the restored version so
+        the engines can load them. Returns the version."""
+        self.engine.load(path)
+        state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)  # our own file: RNG tuples
+        self.version = int(state["version"])
+        restore_rng(state["rng"])
+        if self.dp is None or self.dp.rank == 0:
+            self.weight_sync.publish(self.engine.export_weights(), self.version)
+        return self.version
 
     def drain_trace(self) -> list[dict[str, Any]]:
         return self.tracer.drain()

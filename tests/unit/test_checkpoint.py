@@ -1,0 +1,229 @@
+"""Checkpoint files (atomic write, completeness, retention, resume resolution) and the round trip
+of every state part: RNG, the queue's untrained rows, the asynchronous controller's books, the
+trainer worker's weights + optimizer + version."""
+
+import asyncio
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_trainer_worker import _groups
+
+from fakes import FakePipeline
+from sluice.api import RowMeta
+from sluice.controller.async_loop import AsyncController
+from sluice.controller.checkpoint import (
+    COMPLETE,
+    DRIVER_STATE,
+    CheckpointError,
+    CheckpointStore,
+    config_changes,
+    log_sizes,
+    read_driver_state,
+    resolve_resume,
+    truncate_log,
+    write_driver_state,
+)
+from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.resume import capture_cut, queue_state_of
+from sluice.controller.staleness import StalenessGate
+from sluice.queue import LocalQueue
+from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
+from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.rng_state import capture_rng, restore_rng
+from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
+from sluice.weights import InProcessWeightSync
+from tiny import tiny_llama
+
+
+def _write(store, version, payload="x"):
+    tmp = store.begin(version)
+    (tmp / "trainer").mkdir()
+    (tmp / "trainer" / "weights.bin").write_text(payload)
+    write_driver_state(tmp, {"version": version})
+    return store.commit(tmp, version)
+
+
+def test_half_written_checkpoints_are_ignored_by_resume_auto(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    done = _write(store, 2)
+    half = store.begin(4)  # a crash mid-write: never renamed
+    write_driver_state(half, {"version": 4})
+    renamed_by_hand = tmp_path / "checkpoints" / "step_000006"  # a folder without its manifest
+    renamed_by_hand.mkdir()
+    (renamed_by_hand / DRIVER_STATE).write_bytes(b"")
+    lost_file = _write(store, 8)
+    (lost_file / "trainer" / "weights.bin").unlink()  # the manifest lists a file that is gone
+    assert resolve_resume("auto", tmp_path) == done
+    assert read_driver_state(done) == {"version": 2}
+    assert store.complete() == [done]
+    _write(store, 10)  # the next write clears the crashed temp folder
+    assert not half.exists()
+
+
+def test_resume_path_that_is_not_a_complete_checkpoint_names_the_path(tmp_path):
+    store = CheckpointStore(tmp_path)
+    half = store.begin(2)
+    with pytest.raises(CheckpointError, match=str(half)):
+        resolve_resume(str(half), tmp_path)
+    with pytest.raises(CheckpointError, match="not a folder"):
+        resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+    assert resolve_resume(str(_write(store, 2)), tmp_path) == tmp_path / "checkpoints" / "step_000002"
+    assert resolve_resume(None, tmp_path) is None
+    assert resolve_resume("auto", tmp_path / "fresh") is None  # auto on a new run starts fresh
+
+
+def test_only_the_newest_k_stay_and_a_resume_drops_newer_ones(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for version in (1, 2, 3, 4):
+        _write(store, version)
+    assert [p.name for p in store.complete()] == ["step_000003", "step_000004"]
+    manifest = json.loads((store.latest() / COMPLETE).read_text())
+    assert manifest["version"] == 4 and sorted(manifest["files"]) == [DRIVER_STATE, "trainer/weights.bin"]
+    store.drop_newer_than(3)
+    assert [p.name for p in store.complete()] == ["step_000003"]
+    again = _write(store, 3, payload="new")  # a resumed run writing the same step replaces it
+    assert (again / "trainer" / "weights.bin").read_text() == "new"
+
+
+def test_config_changes_allow_run_control_only():
+    saved = {"run": {"steps": 10, "resume": None, "seed": 0}, "trainer": {"lr": 1e-4}}
+    same_run = {"run": {"steps": 20, "resume": "auto", "seed": 0}, "trainer": {"lr": 1e-4}}
+    assert config_changes(saved, same_run) == []
+    other = {"run": {"steps": 20, "resume": "auto", "seed": 1}, "trainer": {"lr": 3e-4}}
+    assert config_changes(saved, other) == ["run.seed", "trainer.lr"]
+
+
+def test_logs_are_cut_back_to_their_size_at_the_checkpoint(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n')
+    sizes = log_sizes({"metrics": log, "absent": tmp_path / "none.jsonl"})
+    assert sizes == {"metrics": 12, "absent": 0}
+    with log.open("a") as f:
+        f.write('{"step": 2}\n{"st')  # a step redone after resume, and a torn line
+    truncate_log(log, sizes["metrics"])
+    assert log.read_text() == '{"step": 1}\n'
+
+
+def test_rng_round_trip_continues_every_stream():
+    state = capture_rng()
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    restore_rng(state)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+
+
+def _put_group(queue, gid, columns=("uid", "x")):
+    rows = [2 * gid, 2 * gid + 1]
+    meta = [RowMeta(i, gid, version=0, num_tokens=3, group_size=2) for i in rows]
+    queue.put(rows, {c: [[float(i)] if c == "x" else f"{i}" for i in rows] for c in columns}, meta)
+
+
+def test_queue_keeps_exactly_the_untrained_written_groups():
+    queue = LocalQueue()
+    queue.register_task("train", ["uid", "x", "ref"])
+    queue.register_task("reference", ["uid"])
+    for gid in (0, 1, 2, 3):
+        _put_group(queue, gid)
+    queue.put([0, 1, 2, 3], {"ref": [[0.0]] * 4})  # groups 0 and 1 have reference log-probs
+    queue.get("train", ["uid"], 2, indices=[0, 1])  # group 0 trained
+    queue.get("reference", ["uid"], 4, indices=[0, 1, 2, 3])  # the reference read groups 0, 1
+    state = queue_state_of(queue.snapshot(), {1, 3})  # 2 finished after the cut
+    fresh = LocalQueue()
+    fresh.register_task("train", ["uid", "x", "ref"])
+    fresh.register_task("reference", ["uid"])
+    fresh.restore(state)
+    train = ["uid", "x", "ref"]
+    assert sorted(fresh.get("train", train, 8, min_size=0, timeout=0).indices) == [2, 3]  # group 1
+    assert sorted(fresh.get("reference", ["uid"], 8, min_size=0, timeout=0).indices) == [2, 3, 6, 7]
+    fresh.put([6, 7], {"ref": [[0.0]] * 2})  # the reference redoes group 3; then it is trainable
+    batch = fresh.get("train", train, 8, min_size=0, timeout=0)
+    assert batch.indices == (6, 7) and list(batch.columns["x"][0]) == [6.0]
+    assert fresh.stats()["rows"] == 4
+
+
+def test_controller_cut_then_resume_trains_every_admitted_group_exactly_once():
+    """η = 2: the fourth step must take groups 12-15 (version 1) and waits for slow group 15,
+    while groups 16-23 (admitted at versions 2 and 3) run: 18 and 19 are still generating at the
+    cut after it, the others are written. A new controller resumes from the cut and runs to step 8."""
+
+    def slow_tail(gid):
+        return {15: 0.02, 18: 0.1, 19: 0.1}.get(gid, 0.001)
+
+    gate = StalenessGate(4, 2)
+    first = FakePipeline(slow_tail)
+    controller = AsyncController(first, GroupLedger(gate), 4)
+    cuts = []
+
+    async def stop_at_4(version, chosen, metrics):
+        if version == 4:
+            cuts.append(capture_cut(controller))
+        return version < 4
+
+    asyncio.run(asyncio.wait_for(controller.run(8, stop_at_4), timeout=60))
+    cut = cuts[0]
+    written = [gid for gid, g in cut.ledger.groups.items() if g.state is GroupState.OPEN and g.generated]
+    assert sorted(written) == sorted(cut.reports) == [16, 17, 20, 21, 22, 23]
+    assert [gid for _, gid in cut.regenerate] == [18, 19]
+    second = FakePipeline(slow_tail)
+    second.engine_version = second.trainer_version = 4
+    resumed = AsyncController(second, GroupLedger(gate), 4)
+
+    async def resume_and_run():
+        resumed.resume(cut.ledger, cut.reports, cut.next_group, cut.regenerate)
+
+        async def go_on(version, chosen, metrics):
+            return True
+
+        await resumed.run(8, go_on)
+
+    asyncio.run(asyncio.wait_for(resume_and_run(), timeout=60))
+    trained = [gid for step in first.steps + second.steps for gid in step]
+    assert len(trained) == len(set(trained)) == 8 * 4
+    assert set(written) | {gid for _, gid in cut.regenerate} <= set(trained)
+    ledger = resumed.ledger
+    assert ledger.regenerated["restart_groups"] == len(cut.regenerate)
+    assert sum(ledger.staleness.values()) == 32 and max(ledger.staleness) <= 2
+    assert sum(g.state is GroupState.TRAINED for g in ledger.groups.values()) == 32
+
+
+def _trainer(model_dir, groups):
+    queue = LocalQueue()
+    queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
+    for group in groups:
+        queue.put(*samples_to_rows(group, len(group)))
+    sync = InProcessWeightSync()
+    worker = TrainerWorker(
+        model_dir, queue, GRPOAlgorithm(), sync, group_size=4, micro_batch_tokens=40, engine_kwargs={"lr": 1e-2}
+    )
+    return worker, sync
+
+
+def _step(worker, group_ids):
+    worker.begin_step()
+    worker.add_groups(group_ids)
+    worker.finish_step()
+
+
+def test_trainer_worker_state_round_trip_continues_bit_for_bit(tmp_path):
+    """Weights, AdamW moments and version survive ``save_state`` / ``load_state``: the next step
+    of a restored worker equals the uninterrupted worker's (it would not with fresh moments)."""
+    model_dir = tmp_path / "model"
+    tiny_llama(0).save_pretrained(model_dir)
+    groups = _groups(4)
+    whole, _ = _trainer(model_dir, groups)
+    _step(whole, [0, 1])
+    whole.save_state(str(tmp_path / "ckpt"))
+    after_one = whole.engine.export_weights()
+    _step(whole, [2, 3])
+    restored, sync = _trainer(model_dir, groups[2:])
+    assert restored.load_state(str(tmp_path / "ckpt")) == 1
+    published = sync.fetch(1)  # republished for the engines
+    assert all(torch.equal(published[k], v) for k, v in after_one.items())
+    _step(restored, [2, 3])
+    assert restored.version == whole.version == 2
+    assert sorted(restored.trained_ids()) == sorted(f"{g}-{k}" for g in (2, 3) for k in range(4))
+    final, expected = restored.engine.export_weights(), whole.engine.export_weights()
+    assert all(torch.equal(final[k], v) for k, v in expected.items())
