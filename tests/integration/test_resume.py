@@ -83,7 +83,7 @@ def test_async_eta1_resume_trains_every_admitted_group_once(tiny_task_model, tmp
     assert fates.get("regenerated_restart_groups", 0) == len(cut.regenerate)
 
 
-def _wait_for(predicate, what, timeout=120.0):
+def _wait_for(predicate, what, timeout=900.0):  # generous: a loaded 2-core box is slow to start Ray workers
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

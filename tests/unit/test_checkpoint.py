@@ -227,3 +227,9 @@ def test_trainer_worker_state_round_trip_continues_bit_for_bit(tmp_path):
     assert sorted(restored.trained_ids()) == sorted(f"{g}-{k}" for g in (2, 3) for k in range(4))
     final, expected = restored.engine.export_weights(), whole.engine.export_weights()
     assert all(torch.equal(final[k], v) for k, v in expected.items())
+
+
+def test_cli_resume_shorthand_is_run_resume():
+    from sluice.cli import _split_args
+
+    assert _split_args(["cfg.yaml", "resume=auto", "run.steps=3"]) == ("cfg.yaml", ["run.resume=auto", "run.steps=3"])
