@@ -66,7 +66,8 @@ def test_async_eta1_resume_trains_every_admitted_group_once(tiny_task_model, tmp
     back from the queue snapshot, the others are regenerated (counted); each is trained once."""
     from sluice.controller.checkpoint import read_driver_state
 
-    common = ["run.mode=async", "run.backend=local", "rollout.max_staleness=1", "rollout.max_batch=4"]
+    common = ["run.mode=async", "run.backend=local", "rollout.max_staleness=1", "rollout.max_batch=16"]
+    common += ["trainer.ppo_epochs=4"]  # a slower trainer lets groups wait in the queue at the cut
     _fit(tiny_task_model, tmp_path, "cut", *common, "run.steps=2", "run.checkpoint_every=2")
     cut = read_driver_state(tmp_path / "cut" / "checkpoints" / "step_000002").cut
     resumed = _fit(tiny_task_model, tmp_path, "cut", *common, "run.steps=5", "run.resume=auto")
