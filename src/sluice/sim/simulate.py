@@ -23,7 +23,7 @@ It does not choose a configuration (``sim.planner`` does) or derive costs from h
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -82,7 +82,8 @@ class SimResult:
     """Mean simulated seconds per training step after the warm-up steps."""
     step_times: tuple[float, ...]
     generation_utilisation: float
-    """Share of replica-seconds spent decoding, prefilling or loading weights."""
+    """Share of replica-seconds (of every replica from its start) spent decoding, prefilling or
+    loading weights."""
     trainer_utilisation: float
     exposed_sync_s: float
     """Per step: seconds every replica at once took no requests for a weight update."""
@@ -119,6 +120,7 @@ class TracedSimEngine(SimEngine):
         super().__init__(config)
         self._recorder = recorder
         self._lane = lane
+        self.created_at = self._now()
 
     async def _decode(self, wake: asyncio.Event) -> None:
         start = self._now()
@@ -145,15 +147,34 @@ class CostedTrainerPipeline(SimPipeline):
     """``SimPipeline`` whose trainer packs streamed groups into token-budgeted micro-batches;
     without ``streaming`` it trains the whole step's batch only once the step's groups are in."""
 
-    def __init__(self, *args: Any, cost: TrainerCost, streaming: bool, prompt_len: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        engines: Sequence[TracedSimEngine],
+        *args: Any,
+        cost: TrainerCost,
+        streaming: bool,
+        prompt_len: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(engines, *args, **kwargs)
+        self.traced = list(engines)
         self.cost = cost
         self.streaming = streaming
         self.prompt_len = prompt_len
         self.recorder = SpanRecorder("trainer")
+        self.rollout_recorder = SpanRecorder("rollout")
+        self.engine_config = self.engines[0].config
+        """What ``new_engine`` builds (a step hook may change it, e.g. to lengthen responses)."""
         self.train_busy_s = 0.0
         self._tokens: dict[int, int] = {}
         self._pending = 0
+
+    def new_engine(self) -> TracedSimEngine:
+        """A replica to add at run time (``LLMProxy.add_replica``), traced and accounted."""
+        engine = TracedSimEngine(self.engine_config, self.rollout_recorder, f"replica{len(self.engines)}")
+        self.engines.append(engine)
+        self.traced.append(engine)
+        return engine
 
     async def _reports(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         async for report in super().rollout_wave(groups):
@@ -194,8 +215,12 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-def simulate(config: SimConfig) -> SimResult:
-    """Run ``config.steps`` training steps on the virtual clock (see the module docstring)."""
+StepHook = Callable[[int, CostedTrainerPipeline], Awaitable[None]]
+
+
+def simulate(config: SimConfig, on_step: StepHook | None = None) -> SimResult:
+    """Run ``config.steps`` training steps on the virtual clock (see the module docstring);
+    ``on_step(version, pipeline)`` is awaited after each step (to change lengths, rebalance)."""
     rollout = SpanRecorder("rollout")
     engines = [TracedSimEngine(config.engine, rollout, f"replica{i}") for i in range(config.replicas)]
     pipeline = CostedTrainerPipeline(
@@ -211,21 +236,24 @@ def simulate(config: SimConfig) -> SimResult:
         streaming=config.mode != "sync",
         prompt_len=config.prompt_len,
     )
+    pipeline.rollout_recorder = rollout
     ledger = GroupLedger(StalenessGate(config.prompts_per_step, config.staleness))
     controller = AsyncController(pipeline, ledger, config.prompts_per_step)
     ends: list[float] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
         ends.append(asyncio.get_running_loop().time())
+        if on_step is not None:
+            await on_step(version, pipeline)
         return True
 
     run_virtual(controller.run(config.steps, after_step))
-    return _result(config, engines, pipeline, ledger, ends, rollout)
+    return _result(config, pipeline.traced, pipeline, ledger, ends, rollout)
 
 
 def _result(
     config: SimConfig,
-    engines: Sequence[SimEngine],
+    engines: Sequence[TracedSimEngine],
     pipeline: CostedTrainerPipeline,
     ledger: GroupLedger,
     ends: list[float],
@@ -240,7 +268,7 @@ def _result(
     return SimResult(
         step_s=step_s,
         step_times=tuple(durations),
-        generation_utilisation=min(1.0, (busy + prefill) / (wall * len(engines))),
+        generation_utilisation=min(1.0, (busy + prefill) / sum(wall - e.created_at for e in engines)),
         trainer_utilisation=min(1.0, pipeline.train_busy_s / wall),
         exposed_sync_s=stalled_together_s(engines) / len(durations),
         samples_per_s=config.prompts_per_step * config.group_size / step_s,

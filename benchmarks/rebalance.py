@@ -1,0 +1,113 @@
+"""Dynamic rebalancing on simulated replicas: response lengths grow 4x mid-run; a fixed fleet of
+2 replicas vs the ``Rebalancer`` adding replicas through the real ``LLMProxy``.
+
+Every row drives sluice's ``AsyncController``, ledger, ``LLMProxy`` and ``GroupRunner`` over
+``SimEngine`` replicas on the virtual clock (``sim.rebalance_run``), so the numbers are exact
+simulated seconds. Prints per-phase mean step times, writes JSON and a PNG of step time and
+replica count against the step.
+
+    .venv/bin/python benchmarks/rebalance.py [--steps 30] [--shift-at 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from sluice.sim.cost_model import TrainerCost
+from sluice.sim.engine import LengthModel, SimEngineConfig
+from sluice.sim.rebalance import RebalanceConfig
+from sluice.sim.rebalance_run import RebalanceRun, run_with_shift
+from sluice.sim.simulate import SimConfig
+
+# A replica: 20 ms per decode iteration up to 16 running sequences, at most 64. The trainer is
+# a fixed 5 s per step plus 0.2 ms per token: it sets the pace with 2 replicas at the short lengths.
+ENGINE = SimEngineConfig(decode_s=0.02, knee=16, max_running=64, prefill_s_per_token=1e-4, load_s=0.5,
+                         lengths=LengthModel(40, 0.3, 0.3))  # fmt: skip
+TRAINER = TrainerCost(token_s=2e-4, microbatch_overhead_s=0.05, micro_batch_tokens=1024, step_s=5.0)
+LONGER = LengthModel(160, 0.3, 0.3)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def phases(run: RebalanceRun, shift_at: int) -> dict[str, float]:
+    rows = run.rows
+    tail = max(len(rows) - shift_at, 1) // 2
+    return {
+        "before_shift_s": _mean([r.step_s for r in rows[1:shift_at]]),
+        "after_shift_s": _mean([r.step_s for r in rows[shift_at:]]),
+        "last_steps_s": _mean([r.step_s for r in rows[-tail:]]),
+        "last_train_s": _mean([r.train_s for r in rows[-tail:]]),
+        "final_replicas": float(rows[-1].replicas),
+    }
+
+
+def plot(runs: dict[str, RebalanceRun], shift_at: int, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.5), dpi=120)
+    ax = fig.add_subplot()
+    for (name, run), color in zip(runs.items(), ("#E45756", "#4C78A8"), strict=True):
+        steps, times = [r.step for r in run.rows], [r.step_s for r in run.rows]
+        ax.plot(steps, times, marker="o", ms=2.5, lw=0.6, alpha=0.45, color=color)
+        pairs = [(a + b) / 2 for a, b in itertools.pairwise(times)]  # async steps alternate
+        ax.plot(steps[1:], pairs, lw=2.0, color=color, label=f"{name} (2-step mean)")
+    balanced = runs["rebalancer"].rows
+    ax.plot([r.step for r in balanced], [r.train_s for r in balanced], ls=":", color="#54A24B", label="trainer busy")
+    ax.axvline(shift_at + 0.5, color="grey", ls="--", lw=0.8)
+    ax.text(shift_at + 0.7, ax.get_ylim()[1] * 0.95, "lengths x4", color="grey", va="top")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("step time (simulated s)")
+    twin = ax.twinx()
+    twin.step([r.step for r in balanced], [r.replicas for r in balanced], where="post", color="#4C78A8", alpha=0.4)
+    twin.set_ylabel("rollout replicas (rebalancer)")
+    twin.set_ylim(0, max(r.replicas for r in balanced) + 1)
+    ax.legend(loc="upper left", frameon=False)
+    fig.suptitle("Dynamic rebalancing on SimEngine replicas: response lengths grow 4x mid-run")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--shift-at", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results/rebalance.json")
+    parser.add_argument("--png", default="docs/images/rebalance.png")
+    args = parser.parse_args()
+    config = SimConfig(ENGINE, TRAINER, replicas=2, prompts_per_step=16, group_size=8, max_new_tokens=2000,
+                       prompt_len=16, steps=args.steps, eta=1)  # fmt: skip
+    runs = {
+        "fixed 2 replicas": run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=None),
+        "rebalancer": run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=RebalanceConfig()),
+    }
+    print(f"{'variant':<18} {'before s':>9} {'after s':>8} {'last s':>7} {'trainer s':>9} {'replicas':>8}")
+    results = {}
+    for name, run in runs.items():
+        p = results[name] = phases(run, args.shift_at)
+        print(
+            f"{name:<18} {p['before_shift_s']:>9.2f} {p['after_shift_s']:>8.2f} {p['last_steps_s']:>7.2f} "
+            f"{p['last_train_s']:>9.2f} {p['final_replicas']:>8.0f}"
+        )
+    for event in runs["rebalancer"].events:
+        print(f"  step {event.step}: {event.change:+d} -> {event.replicas} replicas "
+              f"(generation {event.generation_s:.1f} s vs training {event.train_s:.1f} s)")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = {name: [asdict(r) for r in run.rows] for name, run in runs.items()}
+    events = [asdict(e) for e in runs["rebalancer"].events]
+    out.write_text(json.dumps({"args": vars(args), "phases": results, "rows": rows, "events": events}, indent=2))
+    print(f"wrote {out} and {plot(runs, args.shift_at, Path(args.png))}")
+
+
+if __name__ == "__main__":
+    main()

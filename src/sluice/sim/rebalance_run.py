@@ -1,0 +1,65 @@
+"""The rebalancer's control loop on simulated replicas: a pipeline simulation whose response
+lengths change at a given step, with or without a ``Rebalancer`` acting through the real
+``LLMProxy``. It measures, after each step, the replicas' busy seconds per replica (generation)
+and the trainer's busy seconds (training), the numbers a real run's step metrics and trace give,
+and records per-step rows for plots and tests.
+
+It does not decide anything itself (``sim.rebalance.decide``) and is not used by real runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sluice.sim.engine import LengthModel
+from sluice.sim.rebalance import RebalanceConfig, RebalanceEvent, Rebalancer
+from sluice.sim.simulate import CostedTrainerPipeline, SimConfig, SimResult, simulate
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    step_s: float
+    replicas: int
+    generation_s: float
+    train_s: float
+
+
+@dataclass(frozen=True)
+class RebalanceRun:
+    result: SimResult
+    rows: list[StepRow]
+    events: list[RebalanceEvent]
+
+
+def run_with_shift(
+    config: SimConfig, *, shift_at: int, lengths: LengthModel, rebalance: RebalanceConfig | None
+) -> RebalanceRun:
+    """Simulate ``config``; after step ``shift_at`` every replica (and every later one) draws
+    response lengths from ``lengths``. With ``rebalance``, a ``Rebalancer`` adds or removes
+    replicas after each step."""
+    rows: list[StepRow] = []
+    marks = {"t": 0.0, "busy": 0.0, "train": 0.0}
+    holder: dict[str, Rebalancer] = {}
+
+    async def on_step(version: int, pipeline: CostedTrainerPipeline) -> None:
+        import asyncio
+
+        now = asyncio.get_running_loop().time()
+        busy = sum(e.stats()["busy_s"] + e.stats()["weight_load_s"] for e in pipeline.traced)
+        replicas = len(pipeline.proxy.replica_ids)
+        generation = (busy - marks["busy"]) / replicas
+        train = pipeline.train_busy_s - marks["train"]
+        row = StepRow(version, now - marks["t"], replicas, generation, train)
+        rows.append(row)
+        marks.update(t=now, busy=busy, train=pipeline.train_busy_s)
+        if version == shift_at:
+            pipeline.engine_config = replace(pipeline.engine_config, lengths=lengths)
+            for engine in pipeline.traced:
+                engine.config = pipeline.engine_config
+        if rebalance is not None:
+            rebalancer = holder.setdefault("r", Rebalancer(pipeline.proxy, pipeline.new_engine, rebalance))
+            await rebalancer.update(version, row.step_s, generation, train)
+
+    result = simulate(config, on_step)
+    return RebalanceRun(result, rows, holder["r"].events if holder else [])

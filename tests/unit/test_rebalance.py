@@ -1,0 +1,84 @@
+"""Dynamic rebalancing: the add / remove rule, and the control loop on simulated replicas
+reacting to an injected length shift through the real LLMProxy."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.sim.cost_model import TrainerCost
+from sluice.sim.engine import LengthModel, SimEngineConfig
+from sluice.sim.rebalance import RebalanceConfig, decide
+from sluice.sim.rebalance_run import run_with_shift
+from sluice.sim.simulate import SimConfig
+
+RULE = RebalanceConfig(min_replicas=1, max_replicas=4, margin=0.1)
+
+
+@pytest.mark.parametrize(
+    ("step_s", "generation_s", "train_s", "replicas", "change"),
+    [
+        (10.0, 10.0, 4.0, 2, 1),  # 10 * 2/3 = 6.7 > 4.4: one more still leaves generation behind
+        (10.0, 10.0, 7.0, 2, 0),  # one more would overshoot: 6.7 < 7.7
+        (10.0, 10.0, 4.0, 4, 0),  # at the maximum
+        (4.2, 10.0, 4.0, 2, 0),  # the step did not wait for generation (it overlapped training)
+        (8.0, 2.0, 8.0, 2, -1),  # 2 * 2/1 = 4 < 7.2: one fewer still keeps up
+        (8.0, 5.0, 8.0, 2, 0),  # one fewer would lag: 10 > 7.2
+        (8.0, 2.0, 8.0, 1, 0),  # at the minimum
+        (12.0, 2.0, 8.0, 2, 0),  # the step waited for something else (a long-tail response)
+    ],
+)
+def test_decide(step_s, generation_s, train_s, replicas, change):
+    assert decide(step_s, generation_s, train_s, replicas, RULE) == change
+
+
+def test_bad_rebalance_config_is_refused():
+    with pytest.raises(ValueError, match="min_replicas"):
+        RebalanceConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="cooldown"):
+        RebalanceConfig(window=3, cooldown=1)
+
+
+ENGINE = SimEngineConfig(decode_s=0.02, knee=16, max_running=64, prefill_s_per_token=1e-4, load_s=0.5,
+                         lengths=LengthModel(40, 0.3, 0.3))  # fmt: skip
+CONFIG = SimConfig(
+    ENGINE, TrainerCost(token_s=2e-4, microbatch_overhead_s=0.05, micro_batch_tokens=1024, step_s=5.0),
+    replicas=2, prompts_per_step=16, group_size=8, max_new_tokens=1000, prompt_len=16, steps=16, eta=1,
+)  # fmt: skip
+
+
+def test_rebalancer_adds_replicas_after_a_length_shift_and_the_step_recovers():
+    longer = LengthModel(160, 0.3, 0.3)
+    fixed = run_with_shift(CONFIG, shift_at=6, lengths=longer, rebalance=None)
+    balanced = run_with_shift(CONFIG, shift_at=6, lengths=longer, rebalance=RULE)
+    assert [r.replicas for r in fixed.rows] == [2] * 16
+    adds = [e for e in balanced.events if e.change > 0]
+    assert adds and all(e.step > 6 for e in adds)  # nothing before the shift made generation lag
+    assert balanced.rows[-1].replicas > 2
+    late = slice(11, 16)
+    mean = lambda rows: sum(r.step_s for r in rows[late]) / 5  # noqa: E731
+    assert mean(balanced.rows) < 0.85 * mean(fixed.rows)
+    # the added replicas took requests and got the newest weights
+    assert balanced.result.counters["groups_trained"] == 16 * 16
+    assert max(balanced.result.staleness) <= 1
+
+
+def test_rebalancer_acts_on_the_proxy_and_stops_adding_when_it_does_not_pay():
+    from sluice.rollout.proxy import LLMProxy
+    from sluice.sim import SimEngine, run_virtual
+    from sluice.sim.rebalance import Rebalancer
+
+    async def scenario():
+        proxy = LLMProxy([SimEngine(ENGINE), SimEngine(ENGINE)])
+        rebalancer = Rebalancer(proxy, lambda: SimEngine(ENGINE), RebalanceConfig(window=1, cooldown=1))
+        changes = [await rebalancer.update(1, 10.0, 10.0, 4.0)]  # generation lags: add
+        changes.append(await rebalancer.update(2, 10.0, 9.0, 4.0))  # cooldown
+        changes.append(await rebalancer.update(3, 10.0, 9.0, 4.0))  # the add did not shorten the step
+        changes.append(await rebalancer.update(4, 10.0, 9.0, 4.0))  # so no more adds at this load
+        changes.append(await rebalancer.update(5, 20.0, 18.0, 4.0))  # lengths grew: adding resumes
+        changes.append(await rebalancer.update(6, 4.0, 1.0, 8.0))  # cooldown
+        changes.append(await rebalancer.update(7, 8.0, 1.0, 8.0))  # training lags: remove
+        return changes, len(proxy.replica_ids), rebalancer.events
+
+    changes, replicas, events = run_virtual(scenario())
+    assert changes == [1, 0, 0, 0, 1, 0, -1] and replicas == 3
+    assert [e.change for e in events] == [1, 0, 1, -1]
