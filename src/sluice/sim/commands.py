@@ -13,6 +13,7 @@ import argparse
 import json
 from typing import Any
 
+from sluice.config import ConfigError
 from sluice.sim.cost_model import DEVICES, MODELS
 from sluice.sim.engine import LengthModel
 from sluice.sim.planner import Candidate, Cluster, Plan, Workload, cost_per_hour, plan, sim_config
@@ -86,7 +87,10 @@ def _plan(args: argparse.Namespace) -> int:
         replica_sizes=_ints(args.replica_sizes),
         micro_batch_tokens=_ints(args.micro_batch_tokens),
     )
-    result = plan(_workload(args), cluster, args.objective, steps=args.steps)
+    try:
+        result = plan(_workload(args), cluster, args.objective, steps=args.steps)
+    except ValueError as err:  # nothing fits: a user error, one line
+        raise ConfigError(f"plan: {err}") from err
     print(format_plan(result, args.top))
     if args.json:
         rows = [{**_row(r.candidate, r.result), "cost_per_hour": r.cost_per_hour,
@@ -114,11 +118,15 @@ def format_plan(result: Plan, top: int) -> str:
 
 def _simulate(args: argparse.Namespace) -> int:
     if args.rollout_devices % args.replica_devices:
-        raise ValueError(f"--rollout-devices {args.rollout_devices} is not a multiple of --replica-devices")
+        raise ConfigError(f"--rollout-devices {args.rollout_devices} is not a multiple of --replica-devices")
     cluster = Cluster(DEVICES[args.device], args.rollout_devices + args.train_devices,
                       train_device=DEVICES[args.train_device] if args.train_device else None)  # fmt: skip
     cand = Candidate(args.rollout_devices, args.train_devices, args.replica_devices, args.micro_batch_tokens)
-    result = simulate(sim_config(_workload(args), cluster, cand, steps=args.steps))
+    try:
+        config = sim_config(_workload(args), cluster, cand, steps=args.steps)
+    except ValueError as err:  # the model or micro-batch does not fit
+        raise ConfigError(f"simulate: {err}") from err
+    result = simulate(config)
     row = _row(cand, result)
     print(
         f"{cand.label()}: step {result.step_s:.2f} s, {result.samples_per_s:.1f} samples/s, "
