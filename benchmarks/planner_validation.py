@@ -163,9 +163,10 @@ def run_once(overrides: list[str], steps: int, skip: int, workdir: Path) -> dict
     }
 
 
-def measure(spec: dict[str, Any]) -> list[dict[str, Any]]:
+def measure(spec: dict[str, Any], data: dict[str, Any], out: Path) -> list[dict[str, Any]]:
     """Round-robin: run 1 of every configuration, then run 2 of each, ...: a drift in the
-    machine's load then falls on every configuration alike."""
+    machine's load then falls on every configuration alike. Each run is saved as it ends (an
+    interrupted measurement keeps its runs; ``--rounds`` stops after fewer rounds)."""
     runs: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in spec["configs"]}
     for i in range(spec["runs"]):
         for config in spec["configs"]:
@@ -174,10 +175,17 @@ def measure(spec: dict[str, Any]) -> list[dict[str, Any]]:
             runs[config["name"]].append(run)
             print(f"{config['name']:<20} run {i}: {run['step_s']:.2f} s/step, load {run['load1_mean']:.1f}, "
                   f"other processes {run['other_cores_mean']:.2f} cores", flush=True)  # fmt: skip
+            data["measured"] = _rows(spec, runs)
+            out.write_text(json.dumps(data, indent=2))
+    return _rows(spec, runs)
+
+
+def _rows(spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for c in spec["configs"]:
-        median = statistics.median(r["step_s"] for r in runs[c["name"]])
-        rows.append({"name": c["name"], "overrides": c["overrides"], "runs": runs[c["name"]], "measured_s": median})
+        done = runs[c["name"]]
+        median = statistics.median(r["step_s"] for r in done) if done else float("nan")
+        rows.append({"name": c["name"], "overrides": c["overrides"], "runs": done, "measured_s": median})
     return rows
 
 
@@ -229,6 +237,8 @@ def predict(data: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
     data["calibration"] = calib
     rows = []
     for config, measured in zip(spec["configs"], data["measured"], strict=True):
+        if not measured["runs"]:
+            continue
         result = simulate(sim_config(config, engine, trainer, spec["steps"], data["lengths"]))
         err = result.step_s / measured["measured_s"] - 1
         runs = measured["runs"]
@@ -255,8 +265,14 @@ def main() -> None:
     parser.add_argument("phases", nargs="+", choices=["profile", "measure", "predict"])
     parser.add_argument("--spec", default=str(HERE / "planner_validation.yaml"))
     parser.add_argument("--out", default=str(HERE / "results" / "planner_validation.json"))
+    parser.add_argument("--configs", type=int, help="measure only the first N declared configurations")
+    parser.add_argument("--rounds", type=int, help="runs per configuration (default: the spec's)")
     args = parser.parse_args()
     spec = yaml.safe_load(Path(args.spec).read_text())
+    if args.configs:
+        spec["configs"] = spec["configs"][: args.configs]
+    if args.rounds:
+        spec["runs"] = args.rounds
     out = Path(args.out)
     data: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
     for phase in args.phases:
@@ -266,7 +282,7 @@ def main() -> None:
             print(f"engine: decode {data['profile']['decode_s'] * 1e3:.2f} ms flat to a batch of "
                   f"{data['profile']['knee']:.0f}; lengths {data['lengths']}")  # fmt: skip
         elif phase == "measure":
-            data["measured"] = measure(spec)
+            data["measured"] = measure(spec, data, out)
         else:
             data["rows"] = predict(data, spec)
             print_table(data["rows"])

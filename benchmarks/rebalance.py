@@ -63,7 +63,8 @@ def plot(runs: dict[str, RebalanceRun], shift_at: int, path: Path) -> Path:
     balanced = runs["rebalancer"].rows
     ax.plot([r.step for r in balanced], [r.train_s for r in balanced], ls=":", color="#54A24B", label="trainer busy")
     ax.axvline(shift_at + 0.5, color="grey", ls="--", lw=0.8)
-    ax.text(shift_at + 0.7, ax.get_ylim()[1] * 0.95, "lengths x4", color="grey", va="top")
+    low, high = ax.get_ylim()
+    ax.text(shift_at + 0.7, low + 0.02 * (high - low), "lengths x4", color="grey", va="bottom")
     ax.set_xlabel("training step")
     ax.set_ylabel("step time (simulated s)")
     twin = ax.twinx()

@@ -86,7 +86,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "H20": DeviceSpec("H20", 148e12, 4.0e12, 96 * GB, 1.0),
     "910B": DeviceSpec("910B", 313e12, 1.6e12, 64 * GB, 1.2, link_bw=25e9),
     # Measured on the project machine (2 cores, FP32 matmul and a large copy, measure_host()).
-    "cpu": DeviceSpec("cpu", 1.0e11, 8.0e9, 8 * GB, 0.05, link_bw=4e9),
+    "cpu": DeviceSpec("cpu", 1.04e11, 3.8e10, 8 * GB, 0.05, link_bw=4e9),
 }
 
 
