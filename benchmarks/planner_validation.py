@@ -10,10 +10,10 @@ measurement). Three phases, each writing into one JSON file:
    over the configurations), recording the
    step times from ``metrics.jsonl``, the load average and the CPU the rest of the machine used
    (all CPU time minus this run's process tree), sampled every half second;
-3. ``predict``: calibrate on the FIRST configuration only (the trainer's cost per token and per
-   step from its step metrics; one scale factor on the profiled engine so the simulated step
-   matches its measured one), simulate every configuration with ``sim.simulate``, print the
-   table of predicted vs measured.
+3. ``predict``: calibrate on the FIRST configuration only (the trainer's cost per token from its
+   step metrics; one scale factor on the profiled engine so the simulated step matches its
+   measured one), simulate every configuration with ``sim.simulate``, print the table of
+   predicted vs measured.
 
 Replicas on this machine share the rollout worker's thread (docs/rollout.md), so r replicas are
 simulated as r engines each 1/r as fast.
@@ -39,7 +39,7 @@ import yaml
 
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
-from sluice.sim.fit import fit_decode, fit_linear
+from sluice.sim.fit import fit_decode
 from sluice.sim.simulate import SimConfig, simulate
 
 HERE = Path(__file__).parent
@@ -193,15 +193,17 @@ def _overrides(config: dict[str, Any]) -> dict[str, int]:
     return {k.split(".")[-1]: int(v) for k, v in (o.split("=") for o in config["overrides"])}
 
 
-def sim_config(config: dict[str, Any], engine: SimEngineConfig, trainer: TrainerCost, steps: int,
+def sim_config(config: dict[str, Any], engine: SimEngineConfig, trainer: TrainerCost, spec: dict[str, Any],
                lengths: dict[str, float]) -> SimConfig:  # fmt: skip
+    """The simulated twin of a declared configuration: as many steps as measured, the same skip."""
+    steps, skip = spec["steps"], spec["skip"]
     o = _overrides(config)
     replicas = o.get("replicas", 1)
     shared = SimEngineConfig(**{**vars(engine), "decode_s": engine.decode_s * replicas})  # one thread, shared
     return SimConfig(
         shared, trainer, replicas=replicas, prompts_per_step=o["prompts_per_step"], group_size=GROUP_SIZE,
         max_new_tokens=int(lengths["max_new_tokens"]), prompt_len=round(lengths["prompt_len"]),
-        mode="async", eta=o["max_staleness"], steps=steps + 4, warmup_steps=4,
+        mode="async", eta=o["max_staleness"], steps=steps, warmup_steps=skip,
     )  # fmt: skip
 
 
@@ -210,10 +212,13 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
     lengths, prof = data["lengths"], data["profile"]
     first = data["measured"][0]
     steps = [s for run in first["runs"] for s in run["train"][spec["skip"] :]]
-    x = [s["tokens"] + s["samples"] * lengths["prompt_len"] for s in steps]
-    train_fit = fit_linear(x, [s["step_s"] - s["wait_data_s"] for s in steps])
-    trainer = TrainerCost(token_s=max(train_fit.slope, 1e-9), micro_batch_tokens=10**9,
-                          step_s=max(train_fit.intercept, 0.0))  # fmt: skip
+    # Seconds per trained token: the median over the calibration steps of compute time (the
+    # step minus its wait for data) over tokens. One configuration's steps vary too little in
+    # tokens to separate a fixed cost from the slope, so the model is proportional.
+    per_token = statistics.median(
+        (s["step_s"] - s["wait_data_s"]) / (s["tokens"] + s["samples"] * lengths["prompt_len"]) for s in steps
+    )
+    trainer = TrainerCost(token_s=per_token, micro_batch_tokens=10**9)
     model = LengthModel(lengths["median"], lengths["sigma"], 0.05)
 
     def engine(scale: float) -> SimEngineConfig:
@@ -223,13 +228,12 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
 
     target = first["measured_s"]
     lo, hi = 0.05, 50.0
-    for _ in range(14):  # bisection on a log scale: the simulated step grows with the engine's cost
+    for _ in range(9):  # bisection on a log scale (to 1.5 %): the simulated step grows with the engine's cost
         mid = math.sqrt(lo * hi)
-        got = simulate(sim_config(spec["configs"][0], engine(mid), trainer, spec["steps"], lengths)).step_s
+        got = simulate(sim_config(spec["configs"][0], engine(mid), trainer, spec, lengths)).step_s
         lo, hi = (mid, hi) if got < target else (lo, mid)
     scale = math.sqrt(lo * hi)
-    return engine(scale), trainer, {"engine_scale": scale, "train_token_s": trainer.token_s,
-                                    "train_step_s": trainer.step_s, "train_fit_rms_s": train_fit.rms_s}  # fmt: skip
+    return engine(scale), trainer, {"engine_scale": scale, "train_token_s": trainer.token_s}
 
 
 def predict(data: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -239,7 +243,7 @@ def predict(data: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
     for config, measured in zip(spec["configs"], data["measured"], strict=True):
         if not measured["runs"]:
             continue
-        result = simulate(sim_config(config, engine, trainer, spec["steps"], data["lengths"]))
+        result = simulate(sim_config(config, engine, trainer, spec, data["lengths"]))
         err = result.step_s / measured["measured_s"] - 1
         runs = measured["runs"]
         rows.append({"name": config["name"], "predicted_s": result.step_s, "measured_s": measured["measured_s"],
