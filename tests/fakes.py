@@ -113,6 +113,22 @@ class FakeAlgorithm:
         return LossOutputs(loss=inputs.logp.sum() * 0.0, stats={"tokens": float(inputs.mask.sum())})
 
 
+class FakeLengthPredictor:
+    """``LengthPredictor`` that predicts from a table of prompt -> length (``default`` otherwise)
+    and records what it observed."""
+
+    def __init__(self, table: Mapping[tuple[int, ...], float], default: float = 0.0) -> None:
+        self.table = dict(table)
+        self.default = default
+        self.observed: list[tuple[tuple[int, ...], int]] = []
+
+    def predict(self, prompts: Sequence[Sequence[int]]) -> list[float]:
+        return [self.table.get(tuple(p), self.default) for p in prompts]
+
+    def observe(self, prompt_ids: Sequence[int], length: int) -> None:
+        self.observed.append((tuple(prompt_ids), length))
+
+
 def length_reward(response: str, **_: Any) -> float:
     """A reward with signal on any model: longer responses score higher (capped at 1)."""
     return min(len(response) / 8.0, 1.0)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from sluice.config.fleet import FleetConfig, check_fleet
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
 
@@ -354,6 +355,14 @@ class SluiceConfig(_Section):
 
     sglang: SGLangConfig = SGLangConfig()
     """SGLang engine options (used when ``rollout.engine: sglang``)."""
+
+    fleet: FleetConfig = FleetConfig()
+    """How the rollout's replicas receive weights (config/fleet.py)."""
+
+    @model_validator(mode="after")
+    def _fleet_placement(self) -> SluiceConfig:
+        check_fleet(self.fleet, self.run.mode, self.run.backend)
+        return self
 
     @model_validator(mode="after")
     def _data_parallel_placement(self) -> SluiceConfig:

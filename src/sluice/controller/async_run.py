@@ -56,6 +56,7 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         scheduling=cfg.rollout.scheduling,
         engine=cfg.rollout.engine,
         engine_options=cfg.engine_options(),
+        fleet=cfg.fleet,
     )
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams
+from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.config.fleet import FleetConfig
 from sluice.config.models import RewardConfig
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.samples import train_columns
@@ -60,6 +61,7 @@ class PipelineSpec:
     data_parallel: int = 1
     engine: str = "hf"
     engine_options: dict[str, Any] = field(default_factory=dict)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
 
 class _Pipeline:
@@ -167,12 +169,11 @@ class RayPipeline(_Pipeline):
         import ray
 
         from sluice.queue import RayQueue
-        from sluice.weights import ObjectStoreWeightSync
 
         super().__init__(spec, prompts)
         ensure_ray(address)
         self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec))
-        self.weight_sync = ObjectStoreWeightSync(name=f"sluice-weights-{os.getpid()}-{id(self)}")
+        self.weight_sync, self.engine_weight_sync = weight_syncs(spec.fleet, f"sluice-weights-{os.getpid()}-{id(self)}")
         over = spec.rollout_threads + spec.trainer_threads * spec.data_parallel > (os.cpu_count() or 1)
         # Every actor must be placed at once (the trainer ranks meet in a rendezvous, the trainer
         # waits on the reference worker), so they share the cluster's CPUs rather than queue for them.
@@ -228,7 +229,8 @@ class RayPipeline(_Pipeline):
         return results[0]
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        metrics = await self.rollout_actor.load_version.remote(self.weight_sync, version, self.spec.weight_update)
+        sync, mode = self.engine_weight_sync, self.spec.weight_update
+        metrics = await self.rollout_actor.load_version.remote(sync, version, mode)
         await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
@@ -283,6 +285,21 @@ async def wait_engine_version(engine_stats: Callable[[], Awaitable[dict[str, flo
         await asyncio.sleep(WEIGHT_POLL_S)
 
 
+def weight_syncs(fleet: FleetConfig, name: str) -> tuple[WeightSync, WeightSync]:
+    """(the trainer's, the rollout worker's) views of the run's weight transfer (``fleet.*``)."""
+    from sluice.weights import BroadcastWeightSync, ObjectStoreWeightSync
+
+    if fleet.weight_transfer == "broadcast":
+        from sluice.trainer.data_parallel import free_tcp_address
+
+        group = BroadcastWeightSync(
+            free_tcp_address(), receivers=1, backend=fleet.broadcast_backend, timeout_s=fleet.broadcast_timeout_s
+        )
+        return group.publisher(), group.receiver(1)
+    sync = ObjectStoreWeightSync(name=name)
+    return sync, sync
+
+
 def queue_tasks(spec: PipelineSpec) -> dict[str, tuple[str, ...]]:
     """The queue's tasks and their input columns: ``train``, plus ``reference`` for a KL term."""
     tasks = {TRAIN_TASK: train_columns(spec.algorithm.uses_reference)}
@@ -310,6 +327,7 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "scheduling": spec.scheduling,
         "engine": spec.engine,
         "engine_options": spec.engine_options,
+        "fleet": spec.fleet,
     }
 
 

@@ -5,6 +5,11 @@
   replication, requests sharing an ``affinity`` (the samples of one prompt) stick to the replica
   the first of them went to (prefix sharing); with it, every sample is routed on its own, so a
   hard prompt's n long samples spread over the replicas (ROLL Flash §5.1.2).
+- **Longest predicted first** (optional, StreamRL): with a ``LengthPredictor`` the proxy holds
+  requests in a ``LongestFirstQueue`` and gives each free replica slot (``slots`` running
+  requests per replica) to the waiting request with the longest predicted response; routing
+  then weighs requests by predicted rather than maximum length, and the predictor learns from
+  every finished response.
 - **Requests**: ``generate`` / ``abort`` as for one engine; ``pause`` holds new requests at the
   proxy and pauses the replicas; ``resume`` releases both.
 - **Replicas at run time**: ``add_replica`` loads the newest weights into a newcomer before
@@ -28,8 +33,9 @@ from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.api import Completion, GenerationRequest, Replica
+from sluice.api import Completion, GenerationRequest, LengthPredictor, Replica
 from sluice.api.protocols import WeightUpdateMode
+from sluice.rollout.lpt_queue import LongestFirstQueue
 from sluice.rollout.replicas import as_replica, merge_engine_stats
 from sluice.rollout.single_turn import sample_seed
 
@@ -44,7 +50,8 @@ class _ReplicaState:
     replica: Replica
     version: int
     accepting: bool = False
-    outstanding: int = 0
+    outstanding: float = 0.0
+    reserved: int = 0  # slots given to requests the longest-first queue released, not yet running
     flights: set[str] = field(default_factory=set)
 
 
@@ -54,6 +61,8 @@ class _Flight:
     replica_id: int | None = None
     user_aborted: bool = False
     displaced: bool = False
+    predicted: float | None = None  # response length, when a length predictor orders requests
+    waiting: asyncio.Future[Any] | None = None  # its turn in the longest-first queue
 
 
 class LLMProxy:
@@ -67,9 +76,13 @@ class LLMProxy:
         stagger: int = 1,
         version: int = 0,
         poll_s: float = 0.005,
+        length_predictor: LengthPredictor | None = None,
+        slots: int | None = None,
     ) -> None:
         if stagger < 1:
             raise ValueError(f"stagger must be >= 1, got {stagger}")
+        if length_predictor is not None and (slots is None or slots < 1):
+            raise ValueError(f"longest-first dispatch needs slots >= 1 per replica, got {slots}")
         self.prompt_replication = prompt_replication
         self.stagger = stagger
         self.version = version
@@ -87,6 +100,9 @@ class LLMProxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._updating: asyncio.Task[None] | None = None
         self._counts: Counter[str] = Counter()
+        self._lpt = LongestFirstQueue(length_predictor) if length_predictor is not None else None
+        self.slots = slots or 0
+        self._release_soon = False
 
     @property
     def replica_ids(self) -> list[int]:
@@ -98,6 +114,8 @@ class LLMProxy:
         if rid in self._flights:
             raise ValueError(f"request {rid!r} is already in flight")
         flight = self._flights[rid] = _Flight(request)
+        if self._lpt is not None:
+            flight.predicted = self._lpt.predict(request.prompt_ids, request.params.max_new_tokens)
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -122,6 +140,8 @@ class LLMProxy:
                     break
         finally:
             del self._flights[rid]
+        if self._lpt is not None and reason != "abort":
+            self._lpt.observe(request.prompt_ids, len(tokens))
         args = (tuple(tokens), tuple(logprobs), tuple(versions), reason)
         return Completion(rid, request.prompt_ids, *args)  # type: ignore[arg-type]
 
@@ -130,6 +150,8 @@ class LLMProxy:
         if flight is None:
             return
         flight.user_aborted = True
+        if flight.waiting is not None and not flight.waiting.done():
+            flight.waiting.set_result(None)
         if flight.replica_id is not None:
             self._spawn(self._states[flight.replica_id].replica.abort(request_id))
         self._notify()
@@ -154,7 +176,13 @@ class LLMProxy:
         """Proxy counters; ``version`` is the oldest version a replica holds, ``pending_version``
         the one being rolled out (-1: none)."""
         held = min((s.version for s in self._states.values()), default=self.version)
+        lpt = (
+            {}
+            if self._lpt is None
+            else {"lpt_waiting": float(len(self._lpt)), "lpt_observed": float(self._lpt.observed)}
+        )
         return {
+            **lpt,
             "replicas": float(len(self._states)),
             "accepting": float(sum(s.accepting for s in self._states.values())),
             "in_flight": float(len(self._flights)),
@@ -238,7 +266,14 @@ class LLMProxy:
 
     async def _route(self, flight: _Flight) -> _ReplicaState | None:
         """The replica for ``flight`` (waiting while paused or none accepts); ``None`` if it was
-        aborted while it waited."""
+        aborted while it waited. Longest-first: waits for its turn in the queue instead."""
+        if self._lpt is not None:
+            flight.waiting = self._lpt.wait(flight.predicted or 0.0, flight)
+            if not self._release_soon:  # after this loop iteration: requests arriving together are ranked together
+                self._release_soon = True
+                asyncio.get_running_loop().call_soon(self._release)
+            state: _ReplicaState | None = await flight.waiting
+            return state
         while not flight.user_aborted:
             state = None if self._paused else self._pick(flight.request)
             if state is not None:
@@ -246,15 +281,30 @@ class LLMProxy:
             await self._wait_change()
         return None
 
-    def _pick(self, request: GenerationRequest) -> _ReplicaState | None:
-        open_states = [s for s in self._states.values() if s.accepting]
+    def _release(self) -> None:
+        self._release_soon = False
+        if self._lpt is not None:
+            self._lpt.release(self._take_slot)
+
+    def _take_slot(self, flight: _Flight) -> _ReplicaState | None:
+        """Longest-first: a replica with a free slot for ``flight`` (reserved), or ``None``."""
+        if self._paused:
+            return None
+        free = [s for s in self._states.values() if s.accepting and len(s.flights) + s.reserved < self.slots]
+        state = self._pick(flight.request, free)
+        if state is not None:
+            state.reserved += 1
+        return state
+
+    def _pick(self, request: GenerationRequest, candidates: list[_ReplicaState] | None = None) -> _ReplicaState | None:
+        open_states = [s for s in self._states.values() if s.accepting] if candidates is None else candidates
         if not open_states:
             return None
         key = None if self.prompt_replication else request.affinity
         if key is not None and key in self._affinity:
             replica_id, count = self._affinity[key]
             state = self._states.get(replica_id)
-            if state is not None and state.accepting:
+            if state is not None and state in open_states:
                 self._affinity[key] = (replica_id, count + 1)
                 return state
         state = min(open_states, key=lambda s: (s.outstanding, s.replica_id))
@@ -263,7 +313,10 @@ class LLMProxy:
         return state
 
     async def _run_on(self, state: _ReplicaState, flight: _Flight, request: GenerationRequest) -> Completion:
-        rid, cost = request.request_id, len(request.prompt_ids) + request.params.max_new_tokens
+        budget = request.params.max_new_tokens
+        rid, cost = request.request_id, len(request.prompt_ids) + min(flight.predicted or budget, budget)
+        if self._lpt is not None:
+            state.reserved -= 1
         state.outstanding += cost
         state.flights.add(rid)
         flight.replica_id = state.replica_id
@@ -315,6 +368,7 @@ class LLMProxy:
         await future
 
     def _notify(self) -> None:
+        self._release()
         waiters, self._waiters = self._waiters, []
         for future in waiters:
             if not future.done():

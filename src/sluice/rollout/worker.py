@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.config.fleet import FleetConfig
 from sluice.config.models import RewardConfig
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
@@ -26,6 +27,7 @@ from sluice.rewards import build_reward_service
 from sluice.rollout.evaluate import EvalResult, evaluate_async
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.groups import GroupRunner, Scheduling
+from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.proxy import LLMProxy
 from sluice.rollout.replicas import merge_engine_stats
 from sluice.rollout.single_turn import SingleTurnWorkflow
@@ -56,6 +58,7 @@ class RolloutWorker:
         scheduling: Scheduling = "queue",
         engine: str = "hf",
         engine_options: Mapping[str, Any] | None = None,
+        fleet: FleetConfig | None = None,
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.tokenizer = load_tokenizer(model_dir)
@@ -63,7 +66,14 @@ class RolloutWorker:
             build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
             for _ in range(replicas)
         ]
-        self.proxy = LLMProxy(self.engines, prompt_replication=prompt_replication, stagger=stagger)
+        fleet = fleet or FleetConfig()
+        self.proxy = LLMProxy(
+            self.engines,
+            prompt_replication=prompt_replication,
+            stagger=stagger,
+            length_predictor=OnlineLengthRanker() if fleet.lpt else None,
+            slots=max_batch,
+        )
         if params is not None and not params.stop_token_ids:
             params = SamplingParams(
                 params.max_new_tokens, params.temperature, params.top_p, (self.tokenizer.eos_token_id,)

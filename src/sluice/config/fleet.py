@@ -1,0 +1,51 @@
+"""Config section ``fleet``: how the rollout's inference replicas are fed requests and receive
+weights. ``config/models.py`` hooks it into a run's config; this module only declares and
+validates.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from sluice.config.section import Section as _Section
+
+
+class FleetConfig(_Section):
+    lpt: bool = False
+    """Longest-predicted-first dispatch (StreamRL): an online length ranker predicts each
+    request's response length from its prompt (learning from every finished response) and the
+    LLMProxy holds requests itself, giving each free engine slot (``rollout.max_batch`` per
+    replica) to the waiting request with the longest prediction, and routing by predicted
+    rather than maximum length. Turn it on when responses are long-tailed and prompts wait for
+    slots (more samples in flight than ``rollout.max_batch`` × replicas): long samples start first
+    instead of last. ``run.mode: async`` only."""
+
+    weight_transfer: Literal["object_store", "broadcast"] = "object_store"
+    """How a new policy version travels from trainer rank 0 to the rollout worker:
+    ``object_store`` (one ``ray.put`` per version, fetched on demand; works on any Ray cluster) or
+    ``broadcast`` (a torch.distributed group of trainer rank 0 and the rollout worker, gloo on CPU,
+    NCCL on CUDA: each version is pushed as soon as it is published, beside the next training
+    step, so the sync finds it already there). Use ``broadcast`` when weights are large relative to
+    a step (the object store copies them twice and fetches only when asked); ``run.backend: ray``
+    and ``run.mode: async`` only, on one node (the group meets at a port on the trainer's node)."""
+
+    broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``weight_transfer: broadcast``: the collective library (``auto``: NCCL when CUDA is
+    available, gloo otherwise)."""
+
+    broadcast_timeout_s: float = Field(default=1800.0, gt=0.0)
+    """``weight_transfer: broadcast``: how long the group's rendezvous or one broadcast may wait
+    (a receiver waits inside a broadcast for the next version, so keep it above a step's time)."""
+
+
+def check_fleet(fleet: FleetConfig, mode: str, backend: str) -> None:
+    """Refuse fleet options the run's placement cannot honour (one clear error)."""
+    if fleet.lpt and mode != "async":
+        raise ValueError("fleet.lpt needs run.mode: async (the sync loop drives one engine without the LLMProxy)")
+    if fleet.weight_transfer == "broadcast" and (mode != "async" or backend != "ray"):
+        raise ValueError(
+            "fleet.weight_transfer: broadcast needs run.mode: async and run.backend: ray "
+            "(trainer and engines in separate processes)"
+        )

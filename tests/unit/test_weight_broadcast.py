@@ -1,0 +1,111 @@
+"""BroadcastWeightSync: a trainer process and an engine process (spawned) hold identical weights
+after each versioned broadcast; publishing never waits for the receiver."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from sluice.api.protocols import WeightSync
+from sluice.trainer.data_parallel import free_tcp_address
+from sluice.weights import WEIGHT_SYNCS, BroadcastWeightSync, WeightVersionError
+from sluice.weights.broadcast import flatten, unflatten
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(11, 4, generator=g)
+    return {
+        "embed.weight": embed,
+        "lm_head.weight": embed,  # tied: one storage under two names
+        "norm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+        "layer.bias": torch.randn(3, 2, generator=g).t(),  # not contiguous
+        "steps": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def _receive(address: str, versions: list[int], keep: int, results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    sync = BroadcastWeightSync(address, receivers=1, keep=keep).receiver(1)
+    got: dict[int, object] = {}
+    for version in versions:
+        try:
+            got[version] = {n: t.clone() for n, t in sync.fetch(version).items()}
+        except WeightVersionError as exc:
+            got[version] = f"WeightVersionError: {exc}"
+    out = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with this process
+    torch.save((got, sync.latest_version()), out)
+    results.put(out.getvalue())
+    sync.close()
+
+
+def test_flatten_round_trip_packs_tied_tensors_once() -> None:
+    weights = _weights(3)
+    layout, buffer = flatten(weights, torch.device("cpu"))
+    unique = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight")
+    assert buffer.numel() == unique
+    back = unflatten(layout, buffer)
+    for name, tensor in weights.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert back["embed.weight"].data_ptr() == back["lm_head.weight"].data_ptr()
+    _, again = flatten(_weights(4), torch.device("cpu"), spare=buffer)
+    assert again.data_ptr() == buffer.data_ptr()  # the spare buffer now holds the new weights
+    assert torch.equal(unflatten(layout, again)["steps"], torch.tensor([4]))
+
+
+def test_two_processes_hold_identical_weights_after_each_broadcast() -> None:
+    address = free_tcp_address()
+    group = BroadcastWeightSync(address, receivers=1, backend="gloo")
+    publisher = group.publisher()
+    assert isinstance(publisher, WeightSync) and WEIGHT_SYNCS["broadcast"] is BroadcastWeightSync
+    published = {v: _weights(v) for v in (1, 2, 3)}
+    for version in (1, 2):  # returns before any receiver exists: the transfer is off the trainer's path
+        publisher.publish(published[version], version)
+    assert publisher.latest_version() == 2
+    with pytest.raises(ValueError, match="must not decrease"):
+        publisher.publish(published[1], 1)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_receive, args=(address, [2, 3, 1], 2, results))
+    child.start()
+    try:
+        publisher.publish(published[3], 3)
+        got, latest = torch.load(io.BytesIO(results.get(timeout=120)))
+    finally:
+        group.publisher().close()
+        child.join(timeout=60)
+    assert child.exitcode == 0 and latest == 3
+    for version in (2, 3):
+        received = got[version]
+        assert isinstance(received, dict) and received.keys() == published[version].keys()
+        for name, tensor in published[version].items():
+            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), (version, name)
+    assert str(got[1]).startswith("WeightVersionError") and "dropped" in str(got[1])  # keep=2 held 2 and 3
+
+
+def test_views_refuse_the_other_role() -> None:
+    group = BroadcastWeightSync("tcp://127.0.0.1:1", receivers=2)
+    with pytest.raises(RuntimeError, match="publisher"):
+        group.receiver(1).publish({}, 1)
+    with pytest.raises(RuntimeError, match="receiver"):
+        group.publisher().fetch(1)
+    with pytest.raises(ValueError, match="outside"):
+        BroadcastWeightSync("tcp://127.0.0.1:1", receivers=2, rank=3)
+    with pytest.raises(ValueError, match="backend"):
+        BroadcastWeightSync("tcp://127.0.0.1:1", backend="mpi")  # type: ignore[arg-type]
+
+
+def test_fleet_config_picks_the_transfer() -> None:
+    from sluice.config import load_config
+    from sluice.config.fleet import FleetConfig
+    from sluice.controller.pipelines import weight_syncs
+
+    trainer, engines = weight_syncs(FleetConfig(weight_transfer="broadcast", broadcast_backend="gloo"), "unused")
+    assert isinstance(trainer, BroadcastWeightSync) and isinstance(engines, BroadcastWeightSync)
+    assert (trainer.rank, engines.rank) == (0, 1) and trainer.group == engines.group
+    assert load_config(None, ["fleet.weight_transfer=broadcast"]).fleet.weight_transfer == "broadcast"
+    with pytest.raises(ValueError, match=r"run\.backend: ray"):
+        load_config(None, ["fleet.weight_transfer=broadcast", "run.backend=local"])
