@@ -1,6 +1,7 @@
 """Runs with the ``fleet.*`` options on a tiny real model: weights by broadcast train exactly like
 the synchronous loop at η = 0 (every step's engine weights were the trainer's, bit for bit), and
-longest-predicted-first dispatch holds requests at the proxy and learns lengths on the live path."""
+longest-predicted-first dispatch holds requests at the proxy and learns lengths on the live path;
+replicas as Ray actors each load every version (received by broadcast, forwarded through Ray)."""
 
 import json
 
@@ -53,3 +54,15 @@ def test_longest_first_dispatch_on_the_live_path(tiny_task_model, tmp_path):
     proxy = trainers[0].pipeline.rollout_worker.proxy.stats()
     # 16 samples in flight on 4 slots: most waited at the proxy; every finished one taught the ranker
     assert proxy["lpt_observed"] >= 32 and proxy["lpt_waiting"] == 0 and proxy["routed"] >= 32
+
+
+def test_replicas_as_ray_actors_train_and_hold_the_trainers_weights(tiny_task_model, tmp_path, ray_cluster):
+    records, _ = _run(
+        tiny_task_model, tmp_path, "actors", "run.mode=async", "run.backend=ray", "rollout.max_staleness=1",
+        "rollout.replicas=2", "fleet.replica_actors=true", "fleet.weight_transfer=broadcast",
+    )  # fmt: skip
+    assert len([r for r in records if r["kind"] == "train"]) == 2
+    weights = next(r for r in records if r["kind"] == "weights")  # both actors' checksums must agree
+    assert weights["engine_version"] == weights["trainer_version"] == 2
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
+    assert weights["engine_weight_updates"] == 4  # each of the 2 actors loaded versions 1 and 2

@@ -109,3 +109,7 @@ def test_fleet_config_picks_the_transfer() -> None:
     assert load_config(None, ["fleet.weight_transfer=broadcast"]).fleet.weight_transfer == "broadcast"
     with pytest.raises(ValueError, match=r"run\.backend: ray"):
         load_config(None, ["fleet.weight_transfer=broadcast", "run.backend=local"])
+    with pytest.raises(ValueError, match=r"fleet\.replica_actors needs"):
+        load_config(None, ["fleet.replica_actors=true", "run.backend=local"])
+    with pytest.raises(ValueError, match=r"fleet\.lpt needs"):
+        load_config(None, ["fleet.lpt=true", "run.mode=sync"])

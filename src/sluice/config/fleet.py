@@ -22,6 +22,14 @@ class FleetConfig(_Section):
     slots (more samples in flight than ``rollout.max_batch`` × replicas): long samples start first
     instead of last. ``run.mode: async`` only."""
 
+    replica_actors: bool = False
+    """Run each of the ``rollout.replicas`` inference engines in its own Ray actor (its own
+    process and ``run.rollout_threads`` torch threads) instead of inside the rollout worker's
+    process; the LLMProxy drives them through Ray, and weights reach them through the object
+    store after the rollout worker fetched them. Turn it on when there are devices or cores for
+    each replica (on accelerators: one replica per device); off, replicas share one process and
+    add no speed. ``run.backend: ray`` only."""
+
     weight_transfer: Literal["object_store", "broadcast"] = "object_store"
     """How a new policy version travels from trainer rank 0 to the rollout worker:
     ``object_store`` (one ``ray.put`` per version, fetched on demand; works on any Ray cluster) or
@@ -44,6 +52,8 @@ def check_fleet(fleet: FleetConfig, mode: str, backend: str) -> None:
     """Refuse fleet options the run's placement cannot honour (one clear error)."""
     if fleet.lpt and mode != "async":
         raise ValueError("fleet.lpt needs run.mode: async (the sync loop drives one engine without the LLMProxy)")
+    if fleet.replica_actors and (mode != "async" or backend != "ray"):
+        raise ValueError("fleet.replica_actors needs run.mode: async and run.backend: ray")
     if fleet.weight_transfer == "broadcast" and (mode != "async" or backend != "ray"):
         raise ValueError(
             "fleet.weight_transfer: broadcast needs run.mode: async and run.backend: ray "

@@ -129,7 +129,7 @@ class LocalPipeline(_Pipeline):
         return await self.rollout_worker.evaluate(items, max_new_tokens)
 
     async def engine_stats(self) -> dict[str, float]:
-        return self.rollout_worker.engine_stats()
+        return await self.rollout_worker.engine_stats()
 
     async def trace_events(self) -> list[dict[str, Any]]:
         return self.rollout_worker.drain_trace() + self.trainer.drain_trace()
@@ -148,7 +148,7 @@ class LocalPipeline(_Pipeline):
 
     async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
         """((trainer version, checksum), (engine version, checksum))."""
-        return self.trainer.weights_fingerprint(), self.rollout_worker.weights_fingerprint()
+        return self.trainer.weights_fingerprint(), await self.rollout_worker.weights_fingerprint()
 
     def close(self) -> None:
         self.queue.close()

@@ -1,7 +1,9 @@
 """Adapters that make inference engines ``Replica`` s for ``LLMProxy``: an in-process engine, or a
 Ray actor whose class implements ``InferenceEngine`` (``ray.remote(HFInferenceEngine)``,
-``ray.remote(SimEngine)``, ...). They translate calls only; routing and bookkeeping are the
-proxy's. ``merge_engine_stats`` folds many engines' ``stats()`` into one.
+``ray.remote(SimEngine)``, ``EngineHost``, ...). They translate calls only; routing and bookkeeping
+are the proxy's. ``EngineHost`` builds any ``rollout.engine`` inside its own actor process
+(``start_engine_actors``), so replicas decode in parallel processes. ``merge_engine_stats`` folds
+many engines' ``stats()`` into one.
 """
 
 from __future__ import annotations
@@ -69,6 +71,64 @@ class RayReplica:
     async def stats(self) -> dict[str, float]:
         result: dict[str, float] = await self.handle.stats.remote()
         return result
+
+
+class EngineHost:
+    """A Ray actor body: one inference engine (``engines.build_inference_engine``) in this process,
+    serving ``InferenceEngine``'s verbs (``generate`` is a coroutine on the actor's event loop, so
+    one actor decodes many requests at once) plus ``weights_checksum`` for fingerprints."""
+
+    def __init__(self, kind: str, model_dir: str, max_batch: int, options: Mapping[str, Any], threads: int) -> None:
+        import torch
+
+        from sluice.engines import build_inference_engine
+
+        torch.set_num_threads(threads)
+        self.engine: Any = build_inference_engine(kind, model_dir, max_batch=max_batch, options=options)
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        result: Completion = await self.engine.generate(request)
+        return result
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def update_weights(self, weights: Mapping[str, Any], version: int, mode: WeightUpdateMode) -> None:
+        self.engine.update_weights(weights, version, mode)
+
+    def stats(self) -> dict[str, float]:
+        result: dict[str, float] = self.engine.stats()
+        return result
+
+    def weights_checksum(self) -> float:
+        return float(self.engine.weights_checksum())
+
+
+def start_engine_actors(
+    count: int, kind: str, model_dir: str, *, max_batch: int, options: Mapping[str, Any], threads: int
+) -> list[Any]:
+    """``count`` ``EngineHost`` actors (Ray must be initialised: the caller is a Ray actor or
+    driver). They reserve no Ray CPU, like the reference worker: on a small machine they must be
+    placed beside the rollout worker that owns them; ``threads`` torch threads each. No runtime
+    environment of their own, so Ray can start them in its already running idle workers."""
+    import ray
+
+    host: Any = ray.remote(num_cpus=0)(EngineHost)
+    return [host.remote(kind, model_dir, max_batch, dict(options), threads) for _ in range(count)]
+
+
+async def engine_fingerprint(engine: Any) -> tuple[int, float]:
+    """(version, weights checksum) of an in-process engine or an ``EngineHost`` actor handle."""
+    if isinstance(as_replica(engine), RayReplica):
+        stats, checksum = await engine.stats.remote(), await engine.weights_checksum.remote()
+        return int(stats["version"]), float(checksum)
+    return int(engine.version), float(engine.weights_checksum())
 
 
 def as_replica(engine: Any) -> Replica:

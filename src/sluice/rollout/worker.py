@@ -4,13 +4,15 @@ writing groups to the queue.
 Its ``GroupRunner`` generates each prompt group, scores it, applies the dynamic filter and writes
 the surviving samples to the TransferQueue as each group completes (queue or batch scheduling);
 only a small ``GroupReport`` goes back to the controller (data never passes through the driver).
-The ``replicas`` built-in engines live in this process and share its torch threads. The same
+The ``replicas`` engines live in this process and share its torch threads, or with
+``fleet.replica_actors`` each in its own Ray actor (``EngineHost``), driven through the proxy. The same
 class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
 decide admission, quotas or versions: the controller does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -29,7 +31,7 @@ from sluice.rollout.filters import GroupFilter
 from sluice.rollout.groups import GroupRunner, Scheduling
 from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.proxy import LLMProxy
-from sluice.rollout.replicas import merge_engine_stats
+from sluice.rollout.replicas import engine_fingerprint, start_engine_actors
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
 
@@ -62,11 +64,17 @@ class RolloutWorker:
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.tokenizer = load_tokenizer(model_dir)
-        self.engines: list[Any] = [
-            build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
-            for _ in range(replicas)
-        ]
         fleet = fleet or FleetConfig()
+        self.engines: list[Any] = (
+            start_engine_actors(
+                replicas, engine, str(model_dir), max_batch=max_batch, options=engine_options or {}, threads=threads
+            )
+            if fleet.replica_actors
+            else [
+                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
+                for _ in range(replicas)
+            ]
+        )
         self.proxy = LLMProxy(
             self.engines,
             prompt_replication=prompt_replication,
@@ -74,6 +82,7 @@ class RolloutWorker:
             length_predictor=OnlineLengthRanker() if fleet.lpt else None,
             slots=max_batch,
         )
+        self.fleet = fleet
         if params is not None and not params.stop_token_ids:
             params = SamplingParams(
                 params.max_new_tokens, params.temperature, params.top_p, (self.tokenizer.eos_token_id,)
@@ -126,21 +135,28 @@ class RolloutWorker:
         with self.tracer.span("eval", lane="eval", prompts=len(items)):
             return await evaluate_async(self.proxy, items, self.tokenizer, self.reward, max_new_tokens)
 
-    def engine_stats(self) -> dict[str, float]:
+    async def engine_stats(self) -> dict[str, float]:
         """Every replica's counters merged, the proxy's (``proxy_*``: routing, moves) and the reward
         service's (``reward_*``)."""
         proxy = {f"proxy_{k}": v for k, v in self.proxy.stats().items() if k not in ("version", "pending_version")}
-        return {**merge_engine_stats(e.stats() for e in self.engines), **proxy, **self.reward.stats()}
+        return {**await self.proxy.engine_stats(), **proxy, **self.reward.stats()}
 
-    def weights_fingerprint(self) -> tuple[int, float]:
+    async def weights_fingerprint(self) -> tuple[int, float]:
         """(oldest version a replica holds, float64 sum of the parameters, which all replicas share)."""
-        sums = {e.weights_checksum() for e in self.engines if e.version == self.engines[0].version}
+        prints = await asyncio.gather(*(engine_fingerprint(e) for e in self.engines))
+        sums = {checksum for version, checksum in prints if version == prints[0][0]}
         assert len(sums) == 1, f"replicas holding one version disagree on its weights: {sums}"
-        return min(e.version for e in self.engines), sums.pop()
+        return min(version for version, _ in prints), sums.pop()
 
     def drain_trace(self) -> list[dict[str, Any]]:
         return self.tracer.drain()
 
     def close(self) -> None:
-        """Stop the reward processes (a killed Ray actor's reward processes exit on their own)."""
+        """Stop the reward processes and replica actors (a killed Ray actor's reward processes and
+        the actors it owns end on their own)."""
         self.reward.close()
+        if self.fleet.replica_actors:
+            import ray
+
+            for handle in self.engines:
+                ray.kill(handle)
