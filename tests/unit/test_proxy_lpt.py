@@ -112,3 +112,15 @@ def test_online_ranker_learns_on_the_live_path_and_removal_loses_nothing() -> No
     assert long > short  # it learned the prompts' lengths from what the replicas produced
     with pytest.raises(ValueError, match="slots"):
         LLMProxy(engines, length_predictor=ranker)
+
+
+def test_sim_pipeline_passes_the_predictor_to_its_proxy() -> None:
+    from sluice.sim.pipeline import SimPipeline
+    from sluice.sim.task import sim_prompts
+
+    engines = [SimEngine(replace_cap(CAPPED, 3)) for _ in range(2)]
+    pipeline = SimPipeline(
+        engines, sim_prompts(4), group_size=2, max_new_tokens=8, length_predictor=FakeLengthPredictor({})
+    )
+    assert pipeline.proxy.slots == 3 and pipeline.proxy.stats()["lpt_waiting"] == 0
+    assert "lpt_waiting" not in SimPipeline(engines, sim_prompts(4), group_size=2, max_new_tokens=8).proxy.stats()

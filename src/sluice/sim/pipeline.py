@@ -15,7 +15,7 @@ import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from sluice.api import GroupReport, PromptItem, RewardFn, SamplingParams
+from sluice.api import GroupReport, LengthPredictor, PromptItem, RewardFn, SamplingParams
 from sluice.api.protocols import WeightUpdateMode
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, group_rows
@@ -58,9 +58,17 @@ class SimPipeline:
         stagger: int = 1,
         seed: int = 0,
         time_scale: float = 1.0,
+        length_predictor: LengthPredictor | None = None,
     ) -> None:
         self.engines = list(engines)
-        self.proxy = LLMProxy(self.engines, prompt_replication=prompt_replication, stagger=stagger)
+        slots = max(e.config.max_running for e in self.engines) if length_predictor is not None else None
+        self.proxy = LLMProxy(
+            self.engines,
+            prompt_replication=prompt_replication,
+            stagger=stagger,
+            length_predictor=length_predictor,  # longest-predicted-first over the replicas' slots
+            slots=slots,
+        )
         self.queue = LocalQueue()
         self.queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
         workflow = SingleTurnWorkflow(SimTokenizer(), SamplingParams(max_new_tokens), group_size, seed)
