@@ -124,3 +124,26 @@ def test_sim_pipeline_passes_the_predictor_to_its_proxy() -> None:
     )
     assert pipeline.proxy.slots == 3 and pipeline.proxy.stats()["lpt_waiting"] == 0
     assert "lpt_waiting" not in SimPipeline(engines, sim_prompts(4), group_size=2, max_new_tokens=8).proxy.stats()
+
+
+def test_released_request_aborted_or_cancelled_before_it_runs_gives_its_slot_back() -> None:
+    engine = SimEngine(replace_cap(CAPPED, 1))
+    proxy = LLMProxy([engine], length_predictor=FakeLengthPredictor({}, default=5.0), slots=1)
+
+    async def main():
+        first = asyncio.ensure_future(proxy.generate(GenerationRequest("a", (1,), SamplingParams(5), seed=0)))
+        await asyncio.sleep(0)  # queued
+        await asyncio.sleep(0)  # released (its slot reserved), not yet running
+        proxy.abort("a")
+        aborted = await first
+        second = asyncio.ensure_future(proxy.generate(GenerationRequest("b", (2,), SamplingParams(5), seed=1)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        second.cancel()
+        third = await asyncio.wait_for(proxy.generate(GenerationRequest("c", (3,), SamplingParams(5), seed=2)), 10)
+        return aborted, third
+
+    aborted, third = run_virtual(main())
+    assert aborted.finish_reason == "abort" and aborted.token_ids == ()
+    assert third.finish_reason == "length" and len(third.token_ids) == 5  # the slot was given back twice
+    assert proxy._states[0].reserved == 0

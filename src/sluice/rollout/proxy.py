@@ -269,10 +269,17 @@ class LLMProxy:
         aborted while it waited. Longest-first: waits for its turn in the queue instead."""
         if self._lpt is not None:
             flight.waiting = self._lpt.wait(flight.predicted or 0.0, flight)
-            if not self._release_soon:  # after this loop iteration: requests arriving together are ranked together
+            if not self._release_soon:  # next loop iteration: requests arriving together are ranked together
                 self._release_soon = True
                 asyncio.get_running_loop().call_soon(self._release)
-            state: _ReplicaState | None = await flight.waiting
+            try:
+                state: _ReplicaState | None = await flight.waiting
+            except asyncio.CancelledError:  # released, then cancelled before it could run
+                self._unreserve(flight.waiting)
+                raise
+            if flight.user_aborted:  # aborted between its release and now
+                self._unreserve(flight.waiting)
+                return None
             return state
         while not flight.user_aborted:
             state = None if self._paused else self._pick(flight.request)
@@ -285,6 +292,12 @@ class LLMProxy:
         self._release_soon = False
         if self._lpt is not None:
             self._lpt.release(self._take_slot)
+
+    def _unreserve(self, turn: asyncio.Future[Any]) -> None:
+        """Give back the slot a released request will not use."""
+        if turn.done() and not turn.cancelled() and turn.result() is not None:
+            turn.result().reserved -= 1
+            self._notify()
 
     def _take_slot(self, flight: _Flight) -> _ReplicaState | None:
         """Longest-first: a replica with a free slot for ``flight`` (reserved), or ``None``."""
