@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from sluice.api.protocols import WeightSync
-from sluice.weights import NO_VERSION, WEIGHT_SYNCS, InProcessWeightSync, ObjectStoreWeightSync, WeightVersionError
+from sluice.weights import (
+    NO_VERSION,
+    WEIGHT_SYNCS,
+    BroadcastWeightSync,
+    InProcessWeightSync,
+    ObjectStoreWeightSync,
+    WeightVersionError,
+)
 from sluice.weights.object_store import pack, unpack
 
 
@@ -15,7 +22,11 @@ def _tensors(value: float) -> dict[str, torch.Tensor]:
 
 
 def test_registry_and_protocol() -> None:
-    assert {"local": InProcessWeightSync, "object_store": ObjectStoreWeightSync} == WEIGHT_SYNCS
+    assert {
+        "local": InProcessWeightSync,
+        "object_store": ObjectStoreWeightSync,
+        "broadcast": BroadcastWeightSync,
+    } == WEIGHT_SYNCS
     assert isinstance(InProcessWeightSync(), WeightSync)
 
 
