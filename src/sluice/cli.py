@@ -1,5 +1,5 @@
 """The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``plan``, ``simulate``,
-``config-docs``.
+``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2. All work is delegated to
@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     from sluice.sim.commands import add_commands
 
     add_commands(sub)  # plan, simulate
+    dag_plan = sub.add_parser("plan-dag", help="compile a DAG file and print its stages and placement")
+    dag_plan.add_argument("file", help="DAG YAML file, or a built-in name (grpo, grpo_kl, ppo, ppo_kl)")
+    dag_plan.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated")
+    dag_plan.set_defaults(func=_plan_dag)
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
     return parser
@@ -145,6 +149,13 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_dag(args: argparse.Namespace) -> int:
+    from sluice.pipeline import compile_dag, load_dag
+
+    print(compile_dag(load_dag(args.file), args.placement).render())
+    return 0
+
+
 def _config_reference() -> str:
     from sluice.config.reference import config_reference
 
@@ -153,9 +164,10 @@ def _config_reference() -> str:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from sluice.engines.hf_model import ModelPathError
+    from sluice.pipeline.spec import DagError
     from sluice.tasks.dataset import DatasetError
 
-    return (ConfigError, DatasetError, ModelPathError)
+    return (ConfigError, DatasetError, ModelPathError, DagError)
 
 
 if __name__ == "__main__":

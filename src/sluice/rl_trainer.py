@@ -36,6 +36,9 @@ from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lora import LoraSpec
+from sluice.pipeline.chain import ColocatedChain
+from sluice.pipeline.model_nodes import ModelBindings
+from sluice.pipeline.run_dag import plan_for_run
 from sluice.rewards import build_reward_service
 from sluice.rollout.evaluate import EvalResult, evaluate
 from sluice.rollout.filters import reward_failure
@@ -47,9 +50,8 @@ from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
 from sluice.telemetry.trace import trace_numbers
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.ppo import ppo_critic_step
-from sluice.trainer.reference import frozen_engine, reference_logprobs
-from sluice.trainer.updates import UpdateSchedule, train_global_batch
+from sluice.trainer.reference import frozen_engine
+from sluice.trainer.updates import UpdateSchedule
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,25 @@ class RLTrainer:
             stop_token_ids=(self.tokenizer.eos_token_id,),
         )
         self.workflow = SingleTurnWorkflow(self.tokenizer, self.params, cfg.rollout.group_size, cfg.run.seed)
+        self.dag_plan = plan_for_run(cfg)
+        if in_process and train:  # every model of the step in this process: the DAG runs as one chain
+            self.dag_chain = ColocatedChain(self.dag_plan, self._model_bindings())
         self._engines_ready = True
+
+    def _model_bindings(self) -> ModelBindings:
+        t = self.config.trainer
+        return ModelBindings(
+            algorithm=self.algorithm,
+            micro_batch_tokens=t.micro_batch_tokens,
+            schedule=self.update_schedule,
+            temperature=self.train_engine.temperature,
+            actor=self.train_engine,
+            reference=getattr(self, "reference_engine", None),
+            critic=self.critic,
+            gae_gamma=t.gae_gamma,
+            gae_lambda=t.gae_lambda,
+            generate=self.generate,
+        )
 
     def load_prompt_data(self, rows: Iterable[dict[str, Any]] | None = None) -> None:
         """Validate the training prompts (``rows``, ``task.data_path``, or the task's generator)
@@ -225,14 +245,8 @@ class RLTrainer:
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
         with self.trainer_tracer.span("train_step", lane="trainer", samples=len(samples)):
-            engine, t = self.train_engine, self.config.trainer
-            if self.algorithm.uses_reference:  # the reference step, on the batch in hand
-                samples = reference_logprobs(self.reference_engine, samples, engine.temperature)
-            common = (samples, self.algorithm, t.micro_batch_tokens, self.update_schedule, engine.temperature)
-            if self.critic is not None:  # PPO with a critic
-                metrics = ppo_critic_step(engine, self.critic, *common, t.gae_gamma, t.gae_lambda)
-            else:
-                metrics = train_global_batch(engine, *common)
+            # the run's DAG after generation (reference, critic, advantages, updates), in order
+            metrics = self.dag_chain.run(samples, self.config.rollout.group_size, self.version)
         self.version += 1
         return metrics
 

@@ -269,6 +269,11 @@ class RunConfig(_Section):
     """Where ``async`` workers run: ``ray`` (one actor per role, the production placement) or
     ``local`` (one process; for debugging)."""
 
+    dag: str | None = None
+    """The algorithm's data flow as a DAG file (docs/dag.md): a built-in name (``grpo``, ``grpo_kl``,
+    ``ppo``, ``ppo_kl``) or a YAML path. ``null``: the built-in DAG of ``trainer.algorithm`` (with
+    ``_kl`` when ``trainer.kl_coef > 0``). Custom nodes (extra rewards, filters) need ``run.mode: sync``."""
+
     ray_address: str | None = None
     """Ray cluster to join (``ray start --head`` prints it); ``null`` starts a local instance."""
 

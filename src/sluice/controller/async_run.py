@@ -16,9 +16,12 @@ from sluice.controller.ledger import GroupLedger
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline
 from sluice.controller.resume import checkpoint_due, restore_async, resume_controller, save_async_checkpoint
 from sluice.controller.staleness import StalenessGate
+from sluice.pipeline.run_dag import async_queue_tasks
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
+from sluice.trainer.reference import REF_TASK
+from sluice.trainer.worker import TRAIN_TASK
 
 ENGINE_SYNC_STATS = (
     "weight_updates",
@@ -57,6 +60,7 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         engine=cfg.rollout.engine,
         engine_options=cfg.engine_options(),
         fleet=cfg.fleet,
+        tasks=async_queue_tasks(trainer.dag_plan, TRAIN_TASK, REF_TASK),
     )
 
 

@@ -62,6 +62,8 @@ class PipelineSpec:
     engine: str = "hf"
     engine_options: dict[str, Any] = field(default_factory=dict)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    tasks: dict[str, tuple[str, ...]] | None = None
+    """The queue's tasks and their input columns, compiled from the run's DAG (``None``: from the algorithm)."""
 
 
 class _Pipeline:
@@ -301,7 +303,9 @@ def weight_syncs(fleet: FleetConfig, name: str) -> tuple[WeightSync, WeightSync]
 
 
 def queue_tasks(spec: PipelineSpec) -> dict[str, tuple[str, ...]]:
-    """The queue's tasks and their input columns: ``train``, plus ``reference`` for a KL term."""
+    """The queue's tasks and their input columns: the DAG's, else ``train`` plus ``reference`` for a KL term."""
+    if spec.tasks is not None:
+        return dict(spec.tasks)
     tasks = {TRAIN_TASK: train_columns(spec.algorithm.uses_reference)}
     if spec.algorithm.uses_reference:
         tasks[REF_TASK] = REF_INPUT_COLUMNS

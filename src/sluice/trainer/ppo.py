@@ -97,16 +97,30 @@ def ppo_critic_step(
     metrics = merge_update_metrics(
         run_updates(actor, samples, advantages, prox, algorithm, micro_batch_tokens, schedule)
     )
-    critic_updates = []
+    metrics.update(critic_updates(critic, samples, returns, values, schedule))
+    metrics["value_mean"] = loss_token_mean(values, samples)
+    metrics["return_mean"] = loss_token_mean(returns, samples)
+    return metrics
+
+
+def critic_updates(
+    critic: CriticEngine,
+    samples: Sequence[Sample],
+    returns: Sequence[Sequence[float]],
+    values: Sequence[Sequence[float]],
+    schedule: UpdateSchedule,
+) -> dict[str, float]:
+    """The critic's value-regression updates of one step, on the actor's schedule of mini-batches
+    and epochs; ``value_loss`` and ``value_grad_norm`` averaged over them, token counts summed."""
+    updates = []
     for _ in range(schedule.epochs):
         for part in mini_batch_ranges(len(samples), schedule.mini_batches):
             sub = [samples[i] for i in part]
-            critic_updates.append(critic.train_step(sub, [returns[i] for i in part], [values[i] for i in part]))
+            updates.append(critic.train_step(sub, [returns[i] for i in part], [values[i] for i in part]))
+    metrics = {}
     for key in ("value_loss", "value_clipped_tokens", "value_tokens", "value_grad_norm"):
-        total = sum(u[key] for u in critic_updates)
-        metrics[key] = total / len(critic_updates) if key in ("value_loss", "value_grad_norm") else total
-    metrics["value_mean"] = loss_token_mean(values, samples)
-    metrics["return_mean"] = loss_token_mean(returns, samples)
+        total = sum(u[key] for u in updates)
+        metrics[key] = total / len(updates) if key in ("value_loss", "value_grad_norm") else total
     return metrics
 
 

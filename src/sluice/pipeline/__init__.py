@@ -1,0 +1,22 @@
+"""DAG pipelines (DistFlow): a DAG file of nodes that read and write TransferQueue columns, the
+planner that places it, and the multi-controller runtime whose workers run it.
+
+``load_dag`` reads a file (or a built-in name), ``compile_dag`` validates and places it; see
+``docs/dag.md``. Importing this package never imports torch or Ray.
+"""
+
+from sluice.pipeline.planner import PLACEMENTS, Plan, WorkerGroup, compile_dag
+from sluice.pipeline.spec import BUILTIN_DAGS, DagError, DagNode, DagSpec, load_dag, parse_dag
+
+__all__ = [
+    "BUILTIN_DAGS",
+    "PLACEMENTS",
+    "DagError",
+    "DagNode",
+    "DagSpec",
+    "Plan",
+    "WorkerGroup",
+    "compile_dag",
+    "load_dag",
+    "parse_dag",
+]

@@ -1,0 +1,56 @@
+"""Built-in ``compute`` node functions that need no model: combining columns, and the synthetic
+generator and checksum the data-path benchmark and tests run (they move real bytes, but do no
+model compute, so only the data path is measured).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sluice.api import Batch
+from sluice.pipeline.functions import NodeContext
+from sluice.pipeline.spec import DagError
+from sluice.queue.packed import PackedColumn, offsets_of
+
+
+def weighted_sum(ctx: NodeContext, rows: Batch) -> dict[str, list[float]]:
+    """``Σ_i weights[i] · row[reads[i]]`` per row (``options.weights``, default all 1): e.g. two
+    rewards combined into the one the advantages read."""
+    reads = ctx.node.reads
+    weights = [float(w) for w in ctx.options.get("weights", [1.0] * len(reads))]
+    if len(weights) != len(reads):
+        raise DagError(f"node {ctx.node.id!r}: {len(weights)} weights for {len(reads)} read columns")
+    total = [sum(w * float(rows.columns[c][k]) for w, c in zip(weights, reads, strict=True)) for k in range(len(rows))]
+    ctx.metrics[f"{ctx.node.writes[0]}_mean"] = sum(total) / max(len(total), 1)
+    return {ctx.node.writes[0]: total}
+
+
+def synthetic_generate(ctx: NodeContext, rows: Batch) -> dict[str, Any]:
+    """``options.group_size`` rows per prompt group, each ``options.tokens`` int32 token ids (a
+    deterministic function of the row) in the first write column; any further write column gets
+    a float per row (a stand-in reward)."""
+    group_size = int(ctx.options.get("group_size", 1))
+    tokens = int(ctx.options.get("tokens", 16))
+    groups = [m.group_id for m in rows.meta]
+    n = len(groups) * group_size
+    row_ids = np.repeat(np.asarray(groups, dtype=np.int64) * group_size, group_size) + np.tile(
+        np.arange(group_size), len(groups)
+    )
+    values = (np.arange(tokens, dtype=np.int32)[None, :] + row_ids[:, None].astype(np.int32)) % 50_000
+    column = PackedColumn(values.reshape(-1), offsets_of([tokens] * n), "list")
+    out: dict[str, Any] = {ctx.node.writes[0]: column}
+    for name in ctx.node.writes[1:]:
+        out[name] = [float(r % 2) for r in row_ids.tolist()]
+    return out
+
+
+def token_checksum(ctx: NodeContext, rows: Batch) -> dict[str, list[int]]:
+    """Sum of every token id of the first read column, per row: reads every byte it was sent."""
+    column = rows.columns[ctx.node.reads[0]]
+    if isinstance(column, PackedColumn) and len(column):
+        sums = np.add.reduceat(column.values.astype(np.int64), column.offsets[:-1]).tolist()
+        lengths = column.lengths().tolist()
+        return {ctx.node.writes[0]: [s if n else 0 for s, n in zip(sums, lengths, strict=True)]}
+    return {ctx.node.writes[0]: [int(sum(row)) for row in column]}
