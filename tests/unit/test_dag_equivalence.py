@@ -105,6 +105,7 @@ def test_the_two_reward_example_dag_changes_the_reward_the_update_sees():
     combined = [dataclasses.replace(s, reward=s.reward + p) for s, p in zip(samples, penalty, strict=True)]
     want = train_global_batch(engines[0], combined, algo, MB_TOKENS, SCHEDULE, 1.0)
     got = ColocatedChain(plan, ModelBindings(algo, MB_TOKENS, SCHEDULE, 1.0, actor=engines[1])).run(samples, GROUP)
+    assert got.pop("total_reward_mean") == pytest.approx(sum(s.reward for s in combined) / len(combined))
     assert got == want and _same_weights(*engines)
     plain = train_global_batch(HFTrainEngine(tiny_llama(0), lr=1e-2), samples, algo, MB_TOKENS, SCHEDULE, 1.0)
     assert plain["loss"] != want["loss"]

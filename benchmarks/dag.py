@@ -1,0 +1,134 @@
+"""DAG runtime data path: multi-controller (workers move their own rows through the TransferQueue)
+against the single-controller variant (the driver gathers every generated row and scatters each
+node's shards by value), one run, same DAG, same node functions.
+
+The DAG: ``gen`` (W/2 workers, ``synthetic_generate``: int32 token rows, no model) → ``score``
+(W/2 workers, ``token_checksum``: reads every token it gets) in separate pools; each step is 16
+groups × 4 samples; W ∈ {2, 4, 8} workers, 1k → 32k tokens per sample. Both variants run η = 0
+(a step's rows are all generated before they are scored), so only the data path differs. Time is
+the wall time of ``run()`` after every actor is up, over ``--steps`` steps; the driver's bytes are
+counted at its transport. Every run's checksums are verified against the generator's formula.
+
+    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py [--quick]
+
+Prints a table and writes ``benchmarks/results/dag.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from sluice.pipeline import compile_dag, parse_dag
+from sluice.pipeline.loader import IndexPrompts
+from sluice.pipeline.runtime import MultiControllerRun, SingleControllerRun
+from sluice.pipeline.worker import RuntimeSettings
+
+GROUPS, GROUP_SIZE = 16, 4
+OUT = Path(__file__).resolve().parent / "results" / "dag.json"
+
+
+def dag(workers: int, tokens: int) -> dict:
+    half = max(1, workers // 2)
+    return {
+        "name": "data_path",
+        "nodes": [
+            {"id": "gen", "role": "rollout", "type": "generate", "reads": ["prompt"], "writes": ["response_ids"],
+             "function": "synthetic_generate", "parallel": half, "resources": {"pool": "gen"},
+             "options": {"group_size": GROUP_SIZE, "tokens": tokens}},
+            {"id": "score", "role": "reward", "type": "compute", "reads": ["response_ids"], "writes": ["checksum"],
+             "function": "token_checksum", "parallel": half, "resources": {"pool": "score"}},
+        ],
+    }  # fmt: skip
+
+
+def expected_checksum(row: int, tokens: int) -> int:
+    return int(((np.arange(tokens, dtype=np.int64) + row) % 50_000).sum())
+
+
+def measure(kind: type, workers: int, tokens: int, steps: int) -> dict:
+    plan = compile_dag(parse_dag(dag(workers, tokens)), "disaggregated")
+    settings = RuntimeSettings(GROUPS, GROUP_SIZE, steps, IndexPrompts(GROUPS * steps), max_staleness=0)
+    run = kind(plan, settings, storage_units=max(1, workers // 2))
+    try:
+        ray.get([a.rows_seen.remote() for actors in run.workers.values() for a in actors])  # every actor is up
+        before = run.transport.counts.total
+        started = time.perf_counter()
+        result = run.run()
+        elapsed = time.perf_counter() - started
+        if kind is MultiControllerRun:
+            run.queue.register_task("verify", ["checksum"])
+            batch = run.queue.get("verify", ["checksum"], 1 << 20, timeout=10)
+            got = dict(zip(batch.indices, batch.columns["checksum"], strict=True))
+        else:
+            got = None
+    finally:
+        run.close()
+    rows = steps * GROUPS * GROUP_SIZE
+    if got is not None:
+        wrong = [r for r in range(0, rows, 37) if got.get(r) != expected_checksum(r, tokens)]
+        if len(got) != rows or wrong:
+            raise AssertionError(f"multi-controller checksums wrong: {len(got)} rows, rows {wrong[:5]} differ")
+    return {
+        "variant": "multi" if kind is MultiControllerRun else "single",
+        "workers": workers,
+        "tokens": tokens,
+        "steps": steps,
+        "seconds": elapsed,
+        "tokens_per_s": rows * tokens / elapsed,
+        "driver_bytes": result.driver.total - before,
+        "driver_sample_bytes": result.driver.sample,
+        "step_bytes": rows // steps * tokens * 4,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 and 8 workers, 1k and 32k tokens, 2 steps")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    workers = (2, 8) if args.quick else (2, 4, 8)
+    tokens = (1024, 32768) if args.quick else (1024, 8192, 32768)
+    steps = 2 if args.quick else args.steps
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             object_store_memory=1024**3)  # fmt: skip
+    rows = []
+    for w in workers:
+        for t in tokens:
+            pair = {kind: measure(kind, w, t, steps) for kind in (SingleControllerRun, MultiControllerRun)}
+            multi, single = pair[MultiControllerRun], pair[SingleControllerRun]
+            multi["speedup"] = single["seconds"] / multi["seconds"]
+            rows += [single, multi]
+            print(
+                f"workers {w}  tokens {t:>6}: single {single['tokens_per_s'] / 1e6:7.2f} M tok/s "
+                f"({single['driver_sample_bytes'] / 2**20:8.1f} MiB sample data via driver)  multi "
+                f"{multi['tokens_per_s'] / 1e6:7.2f} M tok/s ({multi['driver_sample_bytes']} B)  "
+                f"multi/single {multi['speedup']:.2f}x",
+                flush=True,
+            )
+    print()
+    print(
+        "| workers | tokens/sample | single M tok/s | multi M tok/s | multi/single | driver sample B: single | multi |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for single, multi in zip(rows[::2], rows[1::2], strict=True):
+        print(
+            f"| {multi['workers']} | {multi['tokens']:,} | {single['tokens_per_s'] / 1e6:.2f} | "
+            f"{multi['tokens_per_s'] / 1e6:.2f} | {multi['speedup']:.2f}× | "
+            f"{single['driver_sample_bytes'] / 2**20:.1f} MiB | {multi['driver_sample_bytes']} B |"
+        )
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.node(), "cpus": os.cpu_count(), "groups": GROUPS, "group_size": GROUP_SIZE}
+    OUT.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
