@@ -33,6 +33,7 @@ def _dag(gen: int, score: int, tokens: int) -> dict:
 def _run(kind, plan, settings):
     run = kind(plan, settings)
     try:
+        run.ready()  # every actor up, one warm-up row per node in partitions no step reads
         result = run.run()
         rows = {}
         if (

@@ -13,6 +13,7 @@ through ``apply`` / ``produce``, passing rows by value.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ class DagWorker:
         self._reports: dict[int, list[dict[str, float]]] = {}
         self._lock = threading.Lock()
         self.trained: list[tuple[int, int, int]] = []  # (step, row, row version) of every row read
+        self.phase_s: dict[str, float] = {}
 
     @property
     def generates(self) -> bool:
@@ -86,8 +88,11 @@ class DagWorker:
         node, s = self.nodes[0], self.settings
         per_call = s.grants_per_call or max(1, s.groups_per_step // node.parallel)
         rows = 0
+        clock = time.perf_counter()
         while grants := _ray_get(self.gate.acquire.remote(per_call, s.timeout_s)):
+            clock = self._phase("acquire_s", clock)
             indices, columns, meta = self.produce(grants)
+            clock = self._phase("produce_s", clock)
             for step in sorted({m.partition for m in meta}):  # one put per partition the grants span
                 pick = [k for k, m in enumerate(meta) if m.partition == step]
                 part = {c: take_rows(v, pick) for c, v in columns.items()}
@@ -97,14 +102,26 @@ class DagWorker:
                     [meta[k] for k in pick],
                     partition=Partition(step, s.rows_per_step),
                 )
+            clock = self._phase("put_s", clock)
             rows += len(indices)
         return rows
+
+    def _phase(self, name: str, since: float) -> float:
+        """Add the time since ``since`` to phase ``name``; returns now."""
+        now = time.perf_counter()
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + now - since
+        return now
+
+    def phases(self) -> dict[str, float]:
+        """Seconds this worker spent per phase (waiting for rows or credits, computing, writing)."""
+        return dict(self.phase_s)
 
     def _run_consume(self) -> int:
         rows = 0
         for step in range(self.settings.steps):
             metrics: dict[str, float] = {}
             for node in self.nodes:
+                clock = time.perf_counter()
                 batch = self.queue.get(
                     node.id,
                     node.reads,
@@ -115,11 +132,14 @@ class DagWorker:
                 )
                 if not len(batch):
                     raise TimeoutError(f"node {node.id!r} rank {self.rank}: no rows of step {step} within the timeout")
+                clock = self._phase(f"{node.id}_wait_s", clock)
                 batch = sorted_batch(batch)
                 self.trained.extend((step, m.index, m.version) for m in batch.meta)
                 out = self.apply(node.id, step, batch)
+                clock = self._phase(f"{node.id}_compute_s", clock)
                 if out:
                     self.queue.put(list(batch.indices), out)
+                self._phase(f"{node.id}_put_s", clock)
                 metrics.update(self.contexts[node.id].metrics)
                 rows += len(batch)
             self.report(step, self.rank, metrics)
@@ -174,6 +194,19 @@ class DagWorker:
                 out[step] = {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
                 out[step]["ranks"] = float(len(parts))
             return out
+
+    def warm_up(self, partition_base: int) -> None:
+        """Send one tiny row per node of this chain through its shard read, in a partition of its own
+        that no step reads, so the queue's one-time costs (its controllers load the shard balancer)
+        are paid before a timed run."""
+        for k, node in enumerate(self.nodes):
+            if node.type == "generate":
+                continue
+            pid = partition_base + k
+            self.queue.put(
+                [pid], {c: [0] for c in node.reads}, [RowMeta(pid, pid, 0, 1, 1, pid)], partition=Partition(pid, 1)
+            )
+            self.queue.get(node.id, node.reads, 1, partition=pid, shard=Shard(0, 1), timeout=self.settings.timeout_s)
 
     def cursor(self) -> dict[str, int] | None:
         """The data-loader cursor of a generate worker (one per shard)."""
