@@ -22,7 +22,6 @@ from sluice.pipeline.planner import Plan, WorkerGroup
 from sluice.pipeline.transport import DriverBytes, DriverTransport
 from sluice.pipeline.worker import DagWorker, RuntimeSettings, take_rows
 
-
 WARM_PARTITIONS = 1 << 40
 """Partition ids from here on carry ``ready``'s warm-up rows (no step ever reads them)."""
 
