@@ -351,3 +351,40 @@ class FakeSGLangServer:
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
                 "completion_tokens": len(tokens), "output_token_logprobs": logprobs}  # fmt: skip
         return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+
+class FakeEnv:
+    """A scripted ``Env``: ``reset`` answers ``"start"``, step ``i`` answers ``"o<i>"`` after
+    ``delay_s(i)`` seconds and is done after ``turns`` steps, with reward 1 if the first action
+    was non-empty. ``fail`` = (step, "raise" | "hang") makes that step raise or never return.
+    ``actions`` records what the model sent; ``log`` the (event, time) of every call."""
+
+    def __init__(self, turns: int = 3, delay_s: Any = None, fail: tuple[int, str] | None = None) -> None:
+        self.turns = turns
+        self.delay_s = delay_s or (lambda step: 0.0)
+        self.fail = fail
+        self.actions: list[str] = []
+        self.log: list[tuple[str, float]] = []
+        self.closed = False
+
+    async def reset(self, seed: int, options: Mapping[str, Any] | None = None) -> str:
+        self.log.append(("reset", asyncio.get_running_loop().time()))
+        self.seed = seed
+        return "start"
+
+    async def step(self, action: str) -> Any:
+        from sluice.api import EnvStep
+
+        step = len(self.actions)
+        self.actions.append(action)
+        self.log.append(("step", asyncio.get_running_loop().time()))
+        if self.fail is not None and self.fail[0] == step:
+            if self.fail[1] == "raise":
+                raise RuntimeError(f"scripted env failure at step {step}")
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.delay_s(step))
+        done = step + 1 >= self.turns
+        return EnvStep(f"o{step + 1}", float(bool(self.actions[0])) if done else 0.0, done)
+
+    async def close(self) -> None:
+        self.closed = True

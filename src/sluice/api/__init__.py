@@ -4,6 +4,7 @@ Importable without torch or any engine library; it defines shapes of data and ca
 behaviour. Tensors appear only as annotations (``"torch.Tensor"``) so this package stays light.
 """
 
+from sluice.api.env import Env, EnvStep, ToolEnv
 from sluice.api.protocols import (
     Algorithm,
     InferenceEngine,
@@ -42,6 +43,8 @@ __all__ = [
     "AsyncQueueClient",
     "Batch",
     "Completion",
+    "Env",
+    "EnvStep",
     "GenerationRequest",
     "GroupBroadcast",
     "GroupReport",
@@ -62,6 +65,7 @@ __all__ = [
     "SamplingParams",
     "Shard",
     "StorageUnit",
+    "ToolEnv",
     "TrainEngine",
     "WeightSync",
 ]

@@ -25,6 +25,7 @@ from typing import Literal
 from sluice.api import AsyncQueueClient, GroupReport, InferenceEngine, PromptItem, RewardFn, Sample
 from sluice.queue.samples import samples_to_rows
 from sluice.rollout.filters import GroupFilter, reward_failure
+from sluice.rollout.group_tasks import GroupTasks
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
 
@@ -54,8 +55,7 @@ class GroupRunner:
         self.group_filter = group_filter
         self.scheduling = scheduling
         self.tracer = tracer or SpanRecorder("rollout", enabled=False)
-        self._tasks: dict[int, asyncio.Task[GroupReport]] = {}
-        self._aborting: dict[int, str] = {}
+        self._groups = GroupTasks()
 
     async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         """Start a wave of groups together, then report each as it ends (completion order).
@@ -68,25 +68,13 @@ class GroupRunner:
             work = self._batch(groups)
         else:
             work = {gid: self.run_group(item, gid) for item, gid in groups}
-        tasks = {gid: asyncio.ensure_future(self._abortable(gid, coro)) for gid, coro in work.items()}
-        self._tasks.update(tasks)
-        try:
-            for done in asyncio.as_completed(list(tasks.values())):
-                yield await done
-        finally:
-            for gid, task in tasks.items():
-                task.cancel()
-                self._tasks.pop(gid, None)
+        async for report in self._groups.stream(work, self.workflow.group_size):
+            yield report
 
     def abort_groups(self, group_ids: Sequence[int], reason: str) -> None:
         """Stop these groups; each reports ``reason``. A group whose wave has not arrived yet is
         reported at once when it does; one that already finished stays reported as it was."""
-        for gid in group_ids:
-            task = self._tasks.get(gid)
-            if task is None or not task.done():
-                self._aborting[gid] = reason
-            if task is not None:
-                task.cancel()
+        self._groups.abort(group_ids, reason)
 
     async def run_group(self, item: PromptItem, group_id: int) -> GroupReport:
         with self.tracer.span("generate", lane=f"group{group_id % 8}", group=group_id):
@@ -110,20 +98,6 @@ class GroupRunner:
             return await self._store(gid, samples)
 
         return {gid: report(gid) for gid in gens}
-
-    async def _abortable(self, group_id: int, work: Awaitable[GroupReport]) -> GroupReport:
-        try:
-            if group_id in self._aborting:  # stopped before its wave arrived
-                if asyncio.iscoroutine(work):
-                    work.close()
-                raise asyncio.CancelledError
-            return await work
-        except asyncio.CancelledError:
-            reason = self._aborting.pop(group_id, None)
-            if reason is None:
-                raise
-            size = self.workflow.group_size
-            return GroupReport(group_id, -1, size, 0, (), discard_reason=reason, finished_at=time.time())
 
     async def _store(self, group_id: int, samples: list[Sample]) -> GroupReport:
         reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)

@@ -21,12 +21,17 @@ from sluice.api import PromptItem
 
 
 class SimTokenizer:
-    """Decodes token ids to their decimal spelling (rewards only hash the text)."""
+    """Decodes token ids to their decimal spelling (rewards only hash the text); encodes text one
+    id per character."""
 
     eos_token_id = -1
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return " ".join(map(str, ids))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One id per character (environment observations of ``SimEnv``)."""
+        return [ord(ch) for ch in text]
 
 
 def sim_prompts(count: int, *, signal_fraction: float = 0.5, prompt_len: int = 64, seed: int = 0) -> list[PromptItem]:

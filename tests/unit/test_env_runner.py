@@ -1,0 +1,144 @@
+"""EnvRunner: environment-level async rollout (no barrier), the lockstep baseline, redundant
+environments completing groups despite fail-stop envs, and env timeouts / crashes counted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fakes import FakeEnv, FakeInferenceEngine
+from sluice.api import PromptItem, SamplingParams
+from sluice.queue import AsyncLocalQueue, LocalQueue
+from sluice.queue.samples import SAMPLE_COLUMNS, rows_to_samples
+from sluice.rollout.env_runner import ENV_FAILURE, EnvRunner
+from sluice.rollout.episode import EpisodeLimits, EpisodeRunner
+from sluice.rollout.trajectory import ChatFormat
+from sluice.sim import run_virtual
+from sluice.sim.task import SimTokenizer
+
+
+class EnvFactory:
+    """Numbered ``FakeEnv`` s; ``make(n)`` gives instance ``n``'s keyword arguments."""
+
+    def __init__(self, make=lambda n: {}) -> None:
+        self.make = make
+        self.envs: list[FakeEnv] = []
+
+    def __call__(self) -> FakeEnv:
+        env = FakeEnv(**{"turns": 3, **self.make(len(self.envs))})
+        self.envs.append(env)
+        return env
+
+
+def _runner(factory, *, group_size=2, redundancy=0, mode="async", step_timeout_s=None):
+    tok = SimTokenizer()
+    queue = LocalQueue()
+    queue.register_task("train", SAMPLE_COLUMNS)
+    episodes = EpisodeRunner(
+        FakeInferenceEngine(vocab=50),
+        factory,
+        encode_prompt=tok.encode,
+        encode=lambda text: tok.encode(text),
+        decode=tok.decode,
+        chat=ChatFormat(turn_end="."),
+        params=SamplingParams(4),
+        limits=EpisodeLimits(max_turns=8, max_context=1000, turn_tokens=4, step_timeout_s=step_timeout_s),
+    )
+    runner = EnvRunner(episodes, AsyncLocalQueue(queue), group_size=group_size, group_redundancy=redundancy, mode=mode)
+    return runner, queue
+
+
+async def _wave(runner, groups):
+    items = [(PromptItem(gid, "", (), {}), gid) for gid in groups]
+    return [report async for report in runner.run_groups(items)]
+
+
+def _delay(n: int):
+    return lambda step: float((n * 7 + step * 3) % 5 + 1)
+
+
+def _step_times(env: FakeEnv) -> list[float]:
+    return [t for event, t in env.log if event == "step"]
+
+
+def test_env_level_async_never_waits_on_a_barrier():
+    factory = EnvFactory(lambda n: {"delay_s": _delay(n)})
+    runner, _ = _runner(factory)
+    reports = run_virtual(_wave(runner, [0, 1, 2]))
+    assert all(r.discard_reason is None for r in reports)
+    for n, env in enumerate(factory.envs):
+        # each env's step k starts exactly when its own previous steps are done: nobody else's
+        own = [sum(_delay(n)(j) for j in range(k)) for k in range(env.turns)]
+        assert _step_times(env) == pytest.approx(own)
+    assert runner.counts["barrier_waits"] == 0
+
+
+def test_barrier_mode_moves_episodes_in_lockstep_and_is_slower():
+    async def timed(mode):
+        factory = EnvFactory(lambda n: {"delay_s": _delay(n)})
+        runner, _ = _runner(factory, mode=mode)
+        await _wave(runner, [0, 1, 2])
+        return asyncio.get_running_loop().time(), factory, runner
+
+    async_s, _, _ = run_virtual(timed("async"))
+    barrier_s, factory, runner = run_virtual(timed("barrier"))
+    per_turn = [max(_delay(n)(k) for n in range(6)) for k in range(3)]
+    for env in factory.envs:  # step k of every env starts when the slowest step k - 1 ended
+        assert _step_times(env) == pytest.approx([sum(per_turn[:k]) for k in range(3)])
+    assert barrier_s == pytest.approx(sum(per_turn))
+    assert async_s == pytest.approx(max(sum(_delay(n)(k) for k in range(3)) for n in range(6)))
+    assert async_s < barrier_s and runner.counts["barrier_waits"] > 0
+
+
+def test_redundant_episodes_complete_a_group_despite_fail_stop_envs():
+    hung = {0, 3}  # two of the group's four envs never answer their first step (no timeout set)
+    factory = EnvFactory(lambda n: {"fail": (0, "hang")} if n in hung else {"delay_s": _delay(n)})
+    runner, queue = _runner(factory, group_size=2, redundancy=2)
+    (report,) = run_virtual(_wave(runner, [4]))
+    assert report.discard_reason is None and len(report.rewards) == 2
+    assert runner.counts["episodes_kept"] == 2
+    assert runner.counts["episodes_aborted_straggler"] == 2
+    assert all(env.closed for env in factory.envs)  # aborted stragglers are closed too
+    batch = queue.get("train", SAMPLE_COLUMNS, batch_size=2, timeout=1.0)
+    assert sorted(batch.indices) == [8, 9]
+    assert {s.uid for s in rows_to_samples(batch)} == {"4-1", "4-2"}
+
+
+def test_timeouts_and_raising_envs_are_counted_and_do_not_crash():
+    failing = {0: {"fail": (1, "hang")}, 1: {"fail": (0, "raise")}}
+    factory = EnvFactory(lambda n: failing.get(n, {"delay_s": lambda step: 20.0}))  # healthy: 60 s
+    runner, _ = _runner(factory, group_size=2, redundancy=2, step_timeout_s=30.0)
+    (report,) = run_virtual(_wave(runner, [0]))
+    assert report.discard_reason is None
+    assert runner.counts["episodes_env_timeout"] == 1 and runner.counts["episodes_env_error"] == 1
+    assert runner.counts["episodes_kept"] == 2
+
+
+def test_group_that_cannot_complete_is_discarded_and_its_rows_cleared():
+    # envs 0 and 2 finish (1.5 s, their rows are written), 1 and 3 crash later (at 2 s): with
+    # group_size 3 the group cannot complete
+    slow = {"delay_s": lambda step: 1.0, "fail": (2, "raise")}
+    factory = EnvFactory(lambda n: slow if n % 2 else {"delay_s": lambda step: 0.5})
+    runner, queue = _runner(factory, group_size=3, redundancy=1)
+    (report,) = run_virtual(_wave(runner, [2]))
+    assert report.discard_reason == ENV_FAILURE
+    assert runner.counts["episodes_env_error"] == 2
+    assert queue.stats()["rows"] == 0  # the two rows written were cleared with the group
+
+
+def test_abort_groups_reports_the_reason_and_stops_episodes():
+    factory = EnvFactory(lambda n: {"delay_s": lambda step: 100.0})
+    runner, _ = _runner(factory, group_size=2)
+
+    async def run():
+        wave = asyncio.ensure_future(_wave(runner, [0, 1]))
+        await asyncio.sleep(50.0)
+        runner.abort_groups([1], "redundant")
+        return await wave, asyncio.get_running_loop().time()
+
+    reports, elapsed = run_virtual(run())
+    by_group = {r.group_id: r for r in reports}
+    assert by_group[1].discard_reason == "redundant" and by_group[0].discard_reason is None
+    assert runner.counts["episodes_cancelled"] == 2
+    assert elapsed == pytest.approx(300.0)
