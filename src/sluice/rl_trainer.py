@@ -29,6 +29,7 @@ import torch
 
 from sluice.api import PromptItem, RewardFn, Sample, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config
+from sluice.config.agentic import check_agentic
 from sluice.controller.resume import DriverState, checkpoint_due, open_run, restore_sync, save_sync_checkpoint
 from sluice.controller.sync_loop import run_sync
 from sluice.engines.critic import CriticEngine
@@ -79,6 +80,7 @@ class RLTrainer:
             raise ConfigError(f"task.name: unknown task {config.task.name!r} (built-in: {', '.join(TASKS)})")
         self.config = config
         self.task: TaskSpec = TASKS[config.task.name]
+        check_agentic(config, self.task.env)
         self.reward: RewardFn = reward or self.task.reward
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.metrics = JsonlMetrics(None)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from sluice.config.agentic import AgenticConfig
 from sluice.config.fleet import FleetConfig, check_fleet
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
@@ -368,6 +369,8 @@ class SluiceConfig(_Section):
     def _fleet_placement(self) -> SluiceConfig:
         check_fleet(self.fleet, self.run.mode, self.run.backend)
         return self
+    agentic: AgenticConfig = AgenticConfig()
+    """Multi-turn environments (agentic RL): env, EnvRunner mode, redundancy, timeouts."""
 
     @model_validator(mode="after")
     def _data_parallel_placement(self) -> SluiceConfig:

@@ -17,6 +17,7 @@ from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline
 from sluice.controller.resume import checkpoint_due, restore_async, resume_controller, save_async_checkpoint
 from sluice.controller.staleness import StalenessGate
 from sluice.pipeline.run_dag import async_queue_tasks
+from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
@@ -61,6 +62,7 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         engine_options=cfg.engine_options(),
         fleet=cfg.fleet,
         tasks=async_queue_tasks(trainer.dag_plan, TRAIN_TASK, REF_TASK),
+        agentic=env_rollout_spec(cfg.agentic, trainer.task.env, trainer.max_new_tokens),
     )
 
 
@@ -81,7 +83,8 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
             base = await restore_async(trainer, pipeline, trainer.resumed)
         trainer.base_eval = base
         gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
-        ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups)
+        env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
+        ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
         controller = AsyncController(pipeline, ledger, cfg.rollout.prompts_per_step)
         trainer.controller = controller
 
@@ -112,6 +115,8 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
             **{f"engine_{k}": engine[k] for k in ENGINE_SYNC_STATS if k in engine},
         )
         trainer.metrics.log("rewards", **{k: v for k, v in engine.items() if k.startswith("reward_")})
+        if spec.agentic is not None:  # episode counters: kept, aborted stragglers, env failures
+            trainer.metrics.log("episodes", **{k: v for k, v in engine.items() if k.startswith("env_")})
         if cfg.run.trace:
             events = await pipeline.trace_events()
             write_chrome_trace(trainer.run_dir / "trace.json", [events])

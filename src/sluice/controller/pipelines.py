@@ -22,6 +22,7 @@ from sluice.config.fleet import FleetConfig
 from sluice.config.models import RewardConfig
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.samples import train_columns
+from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.worker import RolloutWorker
@@ -64,6 +65,8 @@ class PipelineSpec:
     fleet: FleetConfig = field(default_factory=FleetConfig)
     tasks: dict[str, tuple[str, ...]] | None = None
     """The queue's tasks and their input columns, compiled from the run's DAG (``None``: from the algorithm)."""
+    agentic: EnvRolloutSpec | None = None
+    """Multi-turn episodes of an environment instead of single-turn groups (``rollout/agentic.py``)."""
 
 
 class _Pipeline:
@@ -332,6 +335,7 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "engine": spec.engine,
         "engine_options": spec.engine_options,
         "fleet": spec.fleet,
+        "agentic": spec.agentic,
     }
 
 

@@ -7,7 +7,9 @@ only a small ``GroupReport`` goes back to the controller (data never passes thro
 The ``replicas`` engines live in this process and share its torch threads, or with
 ``fleet.replica_actors`` each in its own Ray actor (``EngineHost``), driven through the proxy. The same
 class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
-decide admission, quotas or versions: the controller does.
+decide admission, quotas or versions: the controller does. With an ``EnvRolloutSpec`` (the
+``agentic`` section) its runner is an ``EnvRunner`` instead: groups of multi-turn episodes
+against an environment, evaluated by greedy episodes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from sluice.config.models import RewardConfig
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
 from sluice.rewards import build_reward_service
+from sluice.rollout.agentic import EnvRolloutSpec, build_env_runner, evaluate_episodes
+from sluice.rollout.env_runner import EnvRunner
 from sluice.rollout.evaluate import EvalResult, evaluate_async
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.groups import GroupRunner, Scheduling
@@ -61,6 +65,7 @@ class RolloutWorker:
         engine: str = "hf",
         engine_options: Mapping[str, Any] | None = None,
         fleet: FleetConfig | None = None,
+        agentic: EnvRolloutSpec | None = None,
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.tokenizer = load_tokenizer(model_dir)
@@ -91,8 +96,14 @@ class RolloutWorker:
         self.reward = build_reward_service(reward_config or RewardConfig(), reward)
         self.group_size = group_size
         self.tracer = SpanRecorder(name, enabled=trace)
-        self.runner: GroupRunner | None = None
-        if params is not None:
+        self.runner: GroupRunner | EnvRunner | None = None
+        self.env_runner: EnvRunner | None = None
+        if params is not None and agentic is not None:  # multi-turn: episodes of an environment
+            self.runner = self.env_runner = build_env_runner(
+                agentic, self.proxy, queue, self.tokenizer, params, group_size=group_size, run_seed=run_seed,
+                model_dir=model_dir, tracer=self.tracer,
+            )  # fmt: skip
+        elif params is not None:
             workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed)
             self.runner = GroupRunner(
                 self.proxy,
@@ -133,13 +144,16 @@ class RolloutWorker:
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
         with self.tracer.span("eval", lane="eval", prompts=len(items)):
+            if self.env_runner is not None:  # greedy episodes, success = reward >= 1
+                return await evaluate_episodes(self.env_runner.episodes, list(items))
             return await evaluate_async(self.proxy, items, self.tokenizer, self.reward, max_new_tokens)
 
     async def engine_stats(self) -> dict[str, float]:
         """Every replica's counters merged, the proxy's (``proxy_*``: routing, moves) and the reward
         service's (``reward_*``)."""
         proxy = {f"proxy_{k}": v for k, v in self.proxy.stats().items() if k not in ("version", "pending_version")}
-        return {**await self.proxy.engine_stats(), **proxy, **self.reward.stats()}
+        episodes = self.env_runner.stats() if self.env_runner is not None else {}
+        return {**await self.proxy.engine_stats(), **proxy, **self.reward.stats(), **episodes}
 
     async def weights_fingerprint(self) -> tuple[int, float]:
         """(oldest version a replica holds, float64 sum of the parameters, which all replicas share)."""

@@ -64,8 +64,11 @@ def ensure_base_model(
     def demonstration(rng: random.Random) -> tuple[str, str]:
         while True:
             row = task.make_row(rng)
-            if row["prompt"] not in held_out:
-                return row["prompt"], task.demonstrate(row, rng)
+            if row["prompt"] in held_out:
+                continue
+            if task.demonstrate_turn is not None:  # multi-turn: one turn of a demonstrated episode
+                return task.demonstrate_turn(row, rng)
+            return row["prompt"], task.demonstrate(row, rng)
 
     losses = sft_warm_start(
         model,

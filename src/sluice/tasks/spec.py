@@ -46,6 +46,12 @@ class TaskSpec:
     revision: int = 1
     """Bump whenever ``make_row`` / ``demonstrate`` change: it keys the cached base model."""
     description: str = ""
+    env: str | None = None
+    """Multi-turn tasks: the environment (``sluice.rollout.envs.ENVS``) that plays a row's episode;
+    rows are then its reset options and its reward is the episode's."""
+    demonstrate_turn: Callable[[dict[str, Any], random.Random], tuple[str, str]] | None = None
+    """Multi-turn tasks: (conversation so far, next model turn) of a demonstrated episode of the
+    row, what the warm start imitates instead of (``prompt``, ``demonstrate``)."""
 
 
 def generate_rows(

@@ -1,0 +1,90 @@
+"""The ``agentic`` config section: multi-turn environments, EnvRunner modes, redundancy, timeouts.
+
+Only declares and validates; ``rollout/agentic.py`` turns it into an ``EnvRunner`` inside the
+rollout worker. Defaults leave a single-turn task single-turn (``env: null``), and give the
+built-in multi-turn tasks (``task.name: calculator | guess_number``) their own environment.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
+
+from sluice.config.section import Section
+
+if TYPE_CHECKING:
+    from sluice.config.models import SluiceConfig
+
+
+class AgenticConfig(Section):
+    env: str | None = None
+    """The environment of a multi-turn run: a built-in (``calculator``, ``guess_number``) or a user
+    class by import path (``my_pkg.envs:MyEnv``). ``null``: the task's own (none for single-turn
+    tasks). Each episode gets a fresh instance; its ``reset`` receives the dataset row's fields."""
+
+    env_kwargs: dict[str, Any] = Field(default={})
+    """Keyword arguments of the environment class."""
+
+    mode: Literal["async", "barrier"] = "async"
+    """``async``: environment-level async rollout, every episode advances on its own (ROLL Flash
+    §5.2.1). ``barrier``: the episodes of an admission wave move in lockstep, turn by turn; exists
+    only to measure against."""
+
+    max_turns: int = Field(default=8, ge=1)
+    """Model turns per episode at most."""
+
+    turn_tokens: int | None = Field(default=None, ge=1)
+    """Tokens the model may sample per turn (``null``: ``rollout.max_new_tokens`` or the task's cap)."""
+
+    max_context: int | None = Field(default=None, ge=2)
+    """Prompt + all turns, in tokens; an episode that reaches it ends (``finish_reason: context``).
+    ``null``: the model's ``max_position_embeddings``."""
+
+    group_redundancy: int = Field(default=0, ge=0)
+    """Extra episodes per group: a group runs ``group_size + group_redundancy`` and completes with
+    its first ``group_size`` finished; the rest are aborted and counted
+    (``env_episodes_aborted_straggler``). Use it against slow or hanging environments."""
+
+    num_env_groups: int | None = Field(default=None, ge=1)
+    """Env groups generating at once per step (``≥ rollout.prompts_per_step``; ``null``: equal).
+    The surplus beyond ``prompts_per_step`` are redundant groups: the step takes the first groups
+    to complete and aborts the rest (counted as ``discarded_redundant``). Raising it is a stronger
+    defence against stragglers than ``group_redundancy`` (ROLL Flash Fig. 10)."""
+
+    step_timeout_s: float | None = Field(default=60.0, gt=0.0)
+    """Seconds an env ``step`` may take; a slower one fails its episode (``env_episodes_env_timeout``).
+    ``null``: wait forever (only redundancy then gets past a hung env)."""
+
+    reset_timeout_s: float | None = Field(default=60.0, gt=0.0)
+    """Seconds an env ``reset`` may take."""
+
+    chat_first: str = "{observation}>"
+    """Chat format: the first prompt (``{observation}``, ``{tools}``). The default is the tiny
+    character-level models' format; a chat model needs its template's pieces, e.g.
+    ``<|im_start|>user\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n``."""
+
+    chat_observation: str = "|{observation}>"
+    """Chat format: an environment turn after a model turn (and the opening of the next one)."""
+
+    chat_tools: str = "{tools}"
+    """Chat format: how a tool env's schema appears where ``chat_first`` says ``{tools}``."""
+
+    chat_turn_end: str | None = None
+    """Chat format: the token that ends a model turn (the sampling stop token); ``null``: the
+    tokenizer's EOS token."""
+
+
+def check_agentic(config: SluiceConfig, task_env: str | None) -> None:
+    """A multi-turn run (``agentic.env`` or the task's env) needs the asynchronous loop, and
+    ``num_env_groups`` at least the step's groups. Raises ``ConfigError`` naming the field."""
+    from sluice.config import ConfigError
+
+    agentic = config.agentic
+    if (agentic.env or task_env) and config.run.mode != "async":
+        raise ConfigError("agentic: multi-turn environments run only with run.mode: async")
+    if agentic.num_env_groups is not None and agentic.num_env_groups < config.rollout.prompts_per_step:
+        raise ConfigError(
+            f"agentic.num_env_groups: {agentic.num_env_groups} is below rollout.prompts_per_step "
+            f"({config.rollout.prompts_per_step})"
+        )
