@@ -83,6 +83,9 @@ def test_redundant_envs_complete_steps_despite_fail_stop_envs():
     assert counts["episodes_aborted_straggler"] > 0  # hung episodes were aborted, not waited for
     assert ledger.discards["redundant_groups"] > 0  # surplus env groups too
     assert sum(ledger.staleness.values()) == 12
+    fates = ("kept", "finished_surplus", "aborted_straggler", "cancelled", "group_aborted", "group_failed",
+             "env_timeout", "env_error")  # fmt: skip
+    assert counts["episodes_started"] == sum(counts[f"episodes_{fate}"] for fate in fates)
 
 
 def test_fail_stop_without_redundancy_fails_groups_by_timeout_and_still_trains():
@@ -91,3 +94,6 @@ def test_fail_stop_without_redundancy_fails_groups_by_timeout_and_still_trains()
     assert [len(step) for step in trained] == [4, 4]
     assert counts["episodes_env_timeout"] > 0
     assert ledger.discards["env_failure"] == 2 * counts["episodes_env_timeout"]  # samples of failed groups
+    fates = ("kept", "finished_surplus", "aborted_straggler", "cancelled", "group_aborted", "group_failed",
+             "env_timeout", "env_error")  # fmt: skip
+    assert counts["episodes_started"] == sum(counts[f"episodes_{fate}"] for fate in fates)

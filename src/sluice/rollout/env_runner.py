@@ -109,17 +109,23 @@ class EnvRunner:
                     if len(kept) == self.group_size:
                         break
         except asyncio.CancelledError:
+            self.counts["episodes_group_aborted"] += len(kept)  # finished, but their group was stopped
             await self._stop(tasks, len(kept), "episodes_cancelled")
             await self._clear(group_id, len(kept))
             raise
         await self._stop(tasks, len(kept), "episodes_aborted_straggler")
         if len(kept) < self.group_size:
+            self.counts["episodes_group_failed"] += len(kept)
             await self._clear(group_id, len(kept))
             return self._report(group_id, kept, ENV_FAILURE)
         self.counts["episodes_kept"] += len(kept)
         return self._report(group_id, kept, None)
 
     def stats(self) -> dict[str, float]:
+        """Episode fates (each started episode has exactly one): ``kept``, ``finished_surplus``
+        (finished with the group's last kept one), ``aborted_straggler``, ``env_timeout`` /
+        ``env_error`` / ``engine_abort`` (failed), ``group_failed`` / ``group_aborted`` (finished,
+        but their group was discarded or stopped), ``cancelled`` (stopped with their group)."""
         return {f"env_{k}": float(v) for k, v in self.counts.items()} | {
             "env_close_errors": float(self.episodes.close_errors)
         }

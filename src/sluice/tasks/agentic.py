@@ -5,8 +5,9 @@ Each is a ``TaskSpec`` whose rows are episode settings for its environment
 turn at a time (``demonstrate_turn``: the conversation so far in ``TINY_CHAT``, then the next
 model turn), so the SFT model lands at a 5–50 % success rate and RL has headroom:
 
-- calculator: the demonstrations call the tool (``c37*48``, then copy its answer) only 15 % of
-  the time when the first operand is below 50 and 45 % otherwise; else they answer a wrong guess;
+- calculator: the demonstrations call the tool (``c37*48``, then copy its answer) only 20 % of
+  the time when the first operand is below 70 and 65 % otherwise; else they answer a wrong guess
+  (so greedy decoding calls the tool on about a third of the problems);
 - guess_number: each demonstrated guess is the midpoint of the numbers the hints still allow
   with probability 0.4, else a uniform guess over the whole range.
 """
@@ -23,9 +24,10 @@ from sluice.rollout.envs.guess_number import SPAN, secret
 from sluice.tasks.spec import SftRecipe, TaskSpec
 from sluice.tasks.tiny_model import TinyLlamaSpec
 
-TOOL_SHARE_LOW = 0.15
-"""Share of calculator demonstrations that call the tool when the first operand is below 50."""
-TOOL_SHARE_HIGH = 0.45
+TOOL_SHARE_LOW = 0.2
+"""Share of calculator demonstrations that call the tool when the first operand is below ``TOOL_FROM``."""
+TOOL_SHARE_HIGH = 0.65
+TOOL_FROM = 70
 BINARY_SHARE = 0.4
 """Share of demonstrated guesses that halve the remaining range."""
 MAX_GUESSES = 4
@@ -48,7 +50,7 @@ def calculator_turn(row: dict[str, Any], rng: random.Random) -> tuple[str, str]:
     tool = [(f"c{a}*{b}", str(product)), (f"a{product}", None)]
     if rng.random() < 0.5:
         return _turn_of(row["prompt"], tool, 1)
-    if rng.random() < (TOOL_SHARE_LOW if a < 50 else TOOL_SHARE_HIGH):
+    if rng.random() < (TOOL_SHARE_LOW if a < TOOL_FROM else TOOL_SHARE_HIGH):
         return _turn_of(row["prompt"], tool, 0)
     guess = product + rng.choice([-1, 1]) * rng.randint(1, max(product // 10, 1))
     return _turn_of(row["prompt"], [(f"a{guess}", None)], 0)
@@ -95,7 +97,7 @@ CALCULATOR = TaskSpec(
     env="calculator",
     model=TINY_AGENT,
     sft=SftRecipe(steps=300, batch_size=64, lr=2e-3, warmup_steps=20),
-    revision=1,
+    revision=2,
     description="multiply two numbers with a calculator tool the model must call (multi-turn)",
 )
 
