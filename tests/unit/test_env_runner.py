@@ -142,3 +142,17 @@ def test_abort_groups_reports_the_reason_and_stops_episodes():
     assert by_group[1].discard_reason == "redundant" and by_group[0].discard_reason is None
     assert runner.counts["episodes_cancelled"] == 2
     assert elapsed == pytest.approx(300.0)
+
+
+def test_held_out_evaluation_plays_one_greedy_episode_per_row():
+    from sluice.rollout.agentic import evaluate_episodes
+
+    factory = EnvFactory(lambda n: {"fail": (0, "raise")} if n == 3 else {})
+    runner, _ = _runner(factory)
+    items = [PromptItem(i, "", (), {}) for i in range(6)]
+    result = run_virtual(evaluate_episodes(runner.episodes, items))
+    engine = runner.episodes.engine
+    assert {r.params.temperature for r in engine.requests} == {0.0}
+    assert len(factory.envs) == 6 and all(env.closed for env in factory.envs)
+    wins = [float(bool(env.actions[0])) for n, env in enumerate(factory.envs) if n != 3]  # env 3 crashed: a miss
+    assert result.count == 6 and 0 < result.accuracy == pytest.approx(sum(wins) / 6)
