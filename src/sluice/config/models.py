@@ -369,6 +369,7 @@ class SluiceConfig(_Section):
     def _fleet_placement(self) -> SluiceConfig:
         check_fleet(self.fleet, self.run.mode, self.run.backend)
         return self
+
     agentic: AgenticConfig = AgenticConfig()
     """Multi-turn environments (agentic RL): env, EnvRunner mode, redundancy, timeouts."""
 
