@@ -142,10 +142,14 @@ class FakePipeline:
     ``aborted`` the groups ``abort_groups`` stopped (each then reports its reason).
     """
 
-    def __init__(self, latency: Any, discard: Any = None, sync_s: float = 0.0) -> None:
+    def __init__(self, latency: Any, discard: Any = None, sync_s: float = 0.0, slots: int | None = None) -> None:
         self.latency = latency
         self.discard = discard or (lambda gid: False)
         self.sync_s = sync_s
+        self.slots = asyncio.Semaphore(slots) if slots else None
+        """``slots``: groups generating at once, like an engine's batch; the others wait, and a
+        group's version is then the engine version when it got its slot (it may be newer than
+        the one it was admitted at)."""
         self.engine_version = 0
         self.trainer_version = 0
         self.steps: list[list[int]] = []
@@ -168,14 +172,26 @@ class FakePipeline:
             try:
                 if gid in self.aborted:  # stopped before its wave started
                     raise asyncio.CancelledError
-                await asyncio.sleep(self.latency(gid))
+                if self.slots is None:
+                    await asyncio.sleep(self.latency(gid))
+                    started = version
+                else:
+                    async with self.slots:
+                        started = self.engine_version
+                        await asyncio.sleep(self.latency(gid))
             except asyncio.CancelledError:
                 if gid not in self.aborted:
                     raise
                 return GroupReport(gid, -1, 2, 0, (), discard_reason=self.aborted[gid])
             reason = "scripted" if self.discard(gid) else None
             return GroupReport(
-                gid, version, num_samples=2, response_tokens=10, rewards=(0.0, 1.0), discard_reason=reason
+                gid,
+                started,
+                num_samples=2,
+                response_tokens=10,
+                rewards=(0.0, 1.0),
+                discard_reason=reason,
+                sample_versions=(started, started),
             )
 
         tasks = {gid: asyncio.ensure_future(one(gid)) for _, gid in groups}

@@ -161,3 +161,5 @@ class GroupReport:
     rewards: tuple[float, ...]
     discard_reason: str | None = None
     finished_at: float = 0.0
+    sample_versions: tuple[int, ...] = ()
+    """Each sample's oldest token's version, in sample order (empty: not reported)."""

@@ -68,6 +68,8 @@ class AsyncController:
         self._generating: dict[int, PromptItem] = {}
         """Prompts of groups admitted and not yet reported (a checkpoint restarts them)."""
         self._news = asyncio.Event()
+        self._reported = asyncio.Event()
+        """Set on every group report and failure; the weight sync's own wake-up (``forced_lag``)."""
         self._rollouts: set[asyncio.Task[None]] = set()
         self._sync: asyncio.Task[None] | None = None
         self.sync_metrics: dict[str, float] = {}
@@ -165,16 +167,18 @@ class AsyncController:
                 if reason is None and not self.ledger.fits(report.version):
                     reason = "redundant"  # finished on newer weights, past that version's quota
                 if reason is None:
-                    self.ledger.finished(report.group_id, report.version, report.num_samples)
+                    self.ledger.finished(report.group_id, report.version, report.num_samples, report.sample_versions)
                 else:
                     self.ledger.discarded(report.group_id, reason, report.num_samples)
                 await self._abort_surplus()
                 self._admit()  # a discard returned its credit; a finished group is news
+                self._reported.set()
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # surfaced by the training loop, never swallowed
             self._failure = err
             self._news.set()
+            self._reported.set()
 
     async def _abort_surplus(self) -> None:
         """Redundant prompts: once the quota is met, stop the groups still generating."""
@@ -185,6 +189,10 @@ class AsyncController:
     async def _sync_weights(self, version: int) -> None:
         """Engines load ``version``. Exposed time: the worker's fetch + load (generation stalls
         for it), or the whole sync when admission had no credit left at the old version."""
+        while not self.ledger.gate.may_sync(self.ledger.oldest_generating(), version):  # forced_lag
+            self._raise_failure()
+            self._reported.clear()
+            await self._reported.wait()
         starved = self.ledger.capacity(self.pipeline.engine_version) == 0
         started = time.monotonic()
         metrics = await self.pipeline.sync_weights(version)

@@ -82,7 +82,7 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
         else:  # trainer state, engines at its version, the queue's untrained rows
             base = await restore_async(trainer, pipeline, trainer.resumed)
         trainer.base_eval = base
-        gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
+        gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.rollout.forced_lag)
         env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
         ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
         controller = AsyncController(pipeline, ledger, cfg.rollout.prompts_per_step)
@@ -144,6 +144,7 @@ def step_stats(
     samples = max(len(rewards), 1)
     mixed = sum(1 for rep in reports if len(set(rep.rewards)) > 1)
     staleness = [version - 1 - rep.version for rep in reports]
+    sample_staleness = [version - 1 - v for rep in reports for v in rep.sample_versions]
     return {
         "reward_mean": sum(rewards) / samples,
         "response_len_mean": sum(rep.response_tokens for rep in reports) / samples,
@@ -151,6 +152,7 @@ def step_stats(
         "trained_tokens": float(sum(rep.response_tokens for rep in reports)),
         "staleness_max": float(max(staleness, default=0)),
         "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "sample_staleness_mean": sum(sample_staleness) / max(len(sample_staleness), 1),
         "engine_version": float(controller.pipeline.engine_version),
         "trained_before_generated": float(0 < first_trained < last_generated),
         **controller.sync_metrics,
@@ -158,4 +160,7 @@ def step_stats(
 
 
 def _staleness(ledger: GroupLedger) -> dict[str, float]:
-    return {f"staleness_{k}": float(v) for k, v in sorted(ledger.staleness.items())}
+    """Realised staleness histograms: ``staleness_k`` groups and ``sample_staleness_k`` samples."""
+    groups = {f"staleness_{k}": float(v) for k, v in sorted(ledger.staleness.items())}
+    samples = {f"sample_staleness_{k}": float(v) for k, v in sorted(ledger.sample_staleness.items())}
+    return {**groups, **samples}

@@ -36,6 +36,8 @@ class GroupRecord:
     num_samples: int = 0
     trained_at: int | None = None
     discard_reason: str | None = None
+    sample_versions: tuple[int, ...] = ()
+    """Each sample's oldest token's version (empty: all samples have the group's ``version``)."""
 
 
 @dataclass
@@ -48,6 +50,9 @@ class GroupLedger:
     regenerated: Counter[str] = field(default_factory=Counter)
     staleness: Counter[int] = field(default_factory=Counter)
     """Histogram of realised staleness (versions) over trained groups."""
+    sample_staleness: Counter[int] = field(default_factory=Counter)
+    """Histogram of realised staleness over trained samples (each sample's oldest token; a group's
+    samples may differ when generation was interrupted by a weight update)."""
     stale_waits: int = 0
     """Must-include groups a step had to wait for because they were still generating."""
     redundant_groups: int = 0
@@ -126,10 +131,16 @@ class GroupLedger:
             raise ValueError(f"group {group_id} admitted twice")
         self.groups[group_id] = GroupRecord(group_id, version)
 
-    def finished(self, group_id: int, version: int, num_samples: int) -> None:
+    def finished(self, group_id: int, version: int, num_samples: int, sample_versions: tuple[int, ...] = ()) -> None:
         """The group's rows are in the queue; ``version`` is its oldest token's."""
         g = self._generating(group_id)
         g.version, g.num_samples, g.generated = version, num_samples, True
+        g.sample_versions = sample_versions
+
+    def oldest_generating(self) -> int | None:
+        """The admission version of the oldest group still generating (``None``: none is)."""
+        versions = [g.version for g in self.groups.values() if not g.generated and g.state is not GroupState.DISCARDED]
+        return min(versions, default=None)
 
     def discarded(self, group_id: int, reason: str, num_samples: int) -> None:
         """A group dropped by a named filter; its credit returns (it leaves ``accepted``/``in_flight``)."""
@@ -193,6 +204,8 @@ class GroupLedger:
             g = self._expect(gid, GroupState.CHOSEN)
             g.state, g.trained_at = GroupState.TRAINED, version
             self.staleness[self.gate.staleness(g.version, version)] += 1
+            for sample_version in g.sample_versions or (g.version,) * g.num_samples:
+                self.sample_staleness[self.gate.staleness(sample_version, version)] += 1
 
     def abandon_open(self, reason: str) -> int:
         """End of run: every group not trained (generating or ready) is discarded as ``reason``."""

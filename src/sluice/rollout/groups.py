@@ -113,4 +113,5 @@ class GroupRunner:
             rewards=tuple(s.reward for s in samples),
             discard_reason=reason,
             finished_at=time.time(),
+            sample_versions=tuple(s.version for s in samples),
         )
