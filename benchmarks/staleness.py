@@ -117,7 +117,7 @@ def _histogram(fates: dict[str, Any], prefix: str) -> dict[int, int]:
 
 def at_eta_fraction(row: dict[str, Any]) -> float:
     """Fraction of the samples trained at staleness exactly η."""
-    hist = row["staleness_samples"]
+    hist = {int(k): v for k, v in row["staleness_samples"].items()}  # JSON turns the keys into strings
     return hist.get(row["eta"], 0) / max(sum(hist.values()), 1)
 
 
