@@ -24,6 +24,8 @@ simulated as r engines each 1/r as fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import statistics
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +139,21 @@ def _sample_cpu(pid: int, stop: threading.Event, out: dict[str, list[float]]) ->
         last_all, last_own, last_t = now_all, now_own, now_t
 
 
+@contextlib.contextmanager
+def exclusive(lock: str | None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock`` (if given) for a timed section, so jobs that take
+    the same lock on a shared machine never run beside a measurement."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def run_once(overrides: list[str], steps: int, skip: int, workdir: Path) -> dict[str, Any]:
     """One real run; its per-step times and the machine's load while it ran."""
     args = [*overrides, f"run.steps={steps}", "run.eval_every=100000", "run.progress=false",
@@ -163,14 +181,14 @@ def run_once(overrides: list[str], steps: int, skip: int, workdir: Path) -> dict
     }
 
 
-def measure(spec: dict[str, Any], data: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+def measure(spec: dict[str, Any], data: dict[str, Any], out: Path, lock: str | None = None) -> list[dict[str, Any]]:
     """Round-robin: run 1 of every configuration, then run 2 of each, ...: a drift in the
     machine's load then falls on every configuration alike. Each run is saved as it ends (an
     interrupted measurement keeps its runs; ``--rounds`` stops after fewer rounds)."""
     runs: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in spec["configs"]}
     for i in range(spec["runs"]):
         for config in spec["configs"]:
-            with tempfile.TemporaryDirectory(prefix="sluice-val-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="sluice-val-") as tmp, exclusive(lock):
                 run = run_once(config["overrides"], spec["steps"], spec["skip"], Path(tmp))
             runs[config["name"]].append(run)
             print(f"{config['name']:<20} run {i}: {run['step_s']:.2f} s/step, load {run['load1_mean']:.1f}, "
@@ -271,6 +289,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "planner_validation.json"))
     parser.add_argument("--configs", type=int, help="measure only the first N declared configurations")
     parser.add_argument("--rounds", type=int, help="runs per configuration (default: the spec's)")
+    parser.add_argument(
+        "--lock",
+        help="a file to flock exclusively during the profile and each measured run "
+        "(serialises the measurement with other jobs that take the same lock)",
+    )
     args = parser.parse_args()
     spec = yaml.safe_load(Path(args.spec).read_text())
     if args.configs:
@@ -281,12 +304,13 @@ def main() -> None:
     data: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
     for phase in args.phases:
         if phase == "profile":
-            data["lengths"] = task_lengths()
-            data["profile"] = profile()
+            with exclusive(args.lock):
+                data["lengths"] = task_lengths()
+                data["profile"] = profile()
             print(f"engine: decode {data['profile']['decode_s'] * 1e3:.2f} ms flat to a batch of "
                   f"{data['profile']['knee']:.0f}; lengths {data['lengths']}")  # fmt: skip
         elif phase == "measure":
-            data["measured"] = measure(spec, data, out)
+            data["measured"] = measure(spec, data, out, args.lock)
         else:
             data["rows"] = predict(data, spec)
             print_table(data["rows"])
