@@ -99,14 +99,24 @@ def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_pa
     assert all(r["groups_with_signal"] == 1.0 for r in records if r["kind"] == "train")
 
 
-def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster):
+PPO_UPDATES = ["trainer.ppo_mini_batches=2", "trainer.ppo_epochs=2", "trainer.prox_logprobs=recompute"]
+
+
+@pytest.mark.parametrize("updates", ["one", "ppo"])
+def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster, updates):
     """η = 0 makes the step's samples independent of timing, so two trainer ranks (gradients
     summed by all-reduce, token-mean over the whole step) must match one trainer up to float
-    rounding; the ranks stay identical and the engine holds rank 0's weights."""
+    rounding; the ranks stay identical and the engine holds rank 0's weights. ``ppo``: four
+    updates per step (2 mini-batches × 2 epochs, proximal log-probs recomputed), each cut over the
+    step's order across both ranks, all-reduced and normalised by its whole mini-batch: a
+    per-rank normaliser or one all-reduce per step would move the losses and weights."""
     common = ["run.mode=async", "run.backend=ray", "rollout.max_staleness=0", "run.steps=2"]
-    one, one_weights = _run(model_dir, tmp_path, "dp1", *common)
-    two, two_weights = _run(model_dir, tmp_path, "dp2", *common, "trainer.data_parallel=2")
+    common += PPO_UPDATES if updates == "ppo" else []
+    one, one_weights = _run(model_dir, tmp_path, f"dp1-{updates}", *common)
+    two, two_weights = _run(model_dir, tmp_path, f"dp2-{updates}", *common, "trainer.data_parallel=2")
     assert _train(two, "step", "trained_tokens", "reward_mean") == _train(one, "step", "trained_tokens", "reward_mean")
+    want_updates = 4.0 if updates == "ppo" else 1.0
+    assert all(r["optimizer_steps"] == want_updates for r in two if r["kind"] == "train")
     for (loss1, norm1), (loss2, norm2) in zip(
         _train(one, "loss", "grad_norm"), _train(two, "loss", "grad_norm"), strict=True
     ):
@@ -116,7 +126,7 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     weights = next(r for r in two if r["kind"] == "weights")  # fingerprints() checks the ranks agree
     assert weights["engine_version"] == weights["trainer_version"] == 2
     assert weights["engine_checksum"] == weights["trainer_checksum"]
-    trace = json.loads((tmp_path / "dp2" / "trace.json").read_text())
+    trace = json.loads((tmp_path / f"dp2-{updates}" / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     rank1 = {e["pid"] for e in events if e.get("ph") == "M" and e.get("args", {}).get("name") == "trainer1"}
     assert any(e.get("name") == "train_microbatch" and e.get("pid") in rank1 for e in events), "rank 1 never trained"

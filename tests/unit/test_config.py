@@ -74,3 +74,13 @@ def test_async_only_rollout_options_are_refused_in_sync_mode():
         load_config(None, ["run.mode=sync", "rollout.replicas=2", "rollout.redundant_groups=4"])
     cfg = load_config(None, ["rollout.replicas=2", "rollout.redundant_groups=16", "rollout.scheduling=batch"])
     assert (cfg.rollout.replicas, cfg.rollout.redundant_groups, cfg.rollout.scheduling) == (2, 16, "batch")
+
+
+def test_data_parallel_takes_ppo_updates_but_not_a_critic():
+    dp = ["run.mode=async", "run.backend=ray", "trainer.data_parallel=2"]
+    updates = ["trainer.ppo_mini_batches=4", "trainer.ppo_epochs=2", "trainer.prox_logprobs=recompute"]
+    assert load_config(None, [*dp, *updates]).trainer.ppo_mini_batches == 4
+    with pytest.raises(ConfigError, match="does not train a critic yet"):
+        load_config(None, [*dp, "trainer.algorithm=ppo"])
+    with pytest.raises(ConfigError, match=r"needs run\.mode: async and run\.backend: ray"):
+        load_config(None, ["trainer.data_parallel=2", "run.backend=local"])

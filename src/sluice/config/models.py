@@ -241,8 +241,9 @@ class TrainerConfig(_Section):
     data_parallel: int = Field(default=1, ge=1)
     """Trainer processes (data-parallel ranks, ``torch.distributed``: gloo on CPU, NCCL on GPU).
     Each trains its share of a step's groups, dealt by tokens; gradients are summed once per
-    step, so the update equals one process's up to float rounding. Needs ``run.mode: async`` with
-    ``run.backend: ray``, ``ppo_mini_batches`` = ``ppo_epochs`` = 1 and ``prox_logprobs: behav``.
+    optimizer update (each PPO mini-batch and epoch, under that mini-batch's normaliser over all
+    ranks), so the update equals one process's up to float rounding. Needs ``run.mode: async``
+    with ``run.backend: ray``; not with ``algorithm: ppo`` (the critic trains in one process).
     Each rank takes ``run.trainer_threads`` threads."""
 
     layout: Literal["packed", "padded"] = "packed"
@@ -388,9 +389,10 @@ class SluiceConfig(_Section):
         if t.data_parallel > 1:
             if self.run.mode != "async" or self.run.backend != "ray":
                 raise ValueError("trainer.data_parallel > 1 needs run.mode: async and run.backend: ray")
-            if t.ppo_mini_batches != 1 or t.ppo_epochs != 1 or t.prox_logprobs != "behav":
+            if t.algorithm == "ppo":
                 raise ValueError(
-                    "trainer.data_parallel > 1 needs trainer.ppo_mini_batches = ppo_epochs = 1 and prox_logprobs: behav"
+                    "trainer.data_parallel > 1 does not train a critic yet: use trainer.data_parallel=1 with "
+                    "trainer.algorithm=ppo (the critic's updates are not summed over ranks)"
                 )
         return self
 

@@ -196,6 +196,8 @@ class RayPipeline(_Pipeline):
             )
         self._group_tokens: dict[int, int] = {}
         self._rank_tokens: list[int] = []
+        self._step_groups = 0
+        """Groups handed to the ranks this step: the next group's position in the step."""
         self.reference_actor = None
         if spec.algorithm.uses_reference:
             reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True, share))
@@ -216,16 +218,25 @@ class RayPipeline(_Pipeline):
 
     async def begin_step(self) -> None:
         self._rank_tokens = [0 for _ in self.trainer_actors]
+        self._step_groups = 0
         await asyncio.gather(*(a.begin_step.remote() for a in self.trainer_actors))
 
     async def train_groups(self, group_ids: list[int]) -> None:
-        """Deal the groups to ranks, each to the one with the fewest tokens this step so far."""
+        """Deal the groups to ranks, each to the one with the fewest tokens this step so far, with
+        its position in the step (the ranks cut PPO mini-batches over the step's order)."""
         dealt: list[list[int]] = [[] for _ in self.trainer_actors]
+        positions: list[list[int]] = [[] for _ in self.trainer_actors]
         for gid in group_ids:
             rank = min(range(len(dealt)), key=lambda r: (self._rank_tokens[r], r))
             dealt[rank].append(gid)
+            positions[rank].append(self._step_groups)
+            self._step_groups += 1
             self._rank_tokens[rank] += self._group_tokens.pop(gid, 0)
-        calls = [a.add_groups.remote(gids) for a, gids in zip(self.trainer_actors, dealt, strict=True) if gids]
+        calls = [
+            a.add_groups.remote(gids, where)
+            for a, gids, where in zip(self.trainer_actors, dealt, positions, strict=True)
+            if gids
+        ]
         await asyncio.gather(*calls)
 
     async def finish_step(self) -> dict[str, float]:

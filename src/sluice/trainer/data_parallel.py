@@ -1,11 +1,13 @@
 """Data-parallel training ranks: one process group over the trainer workers of a run.
 
 Every rank holds the full model (DDP-style replicas; FSDP2 sharding is for GPUs, where one
-replica does not fit) and trains its own shard of a step's groups. At the end of the step the
-ranks sum their gradients with one all-reduce of a flat buffer, agree on the step-wide
-normaliser (and whole-batch advantages) by gathering the step's samples, and each takes the same optimizer step,
-so the replicas stay identical without ever broadcasting weights. Only rank 0 publishes weights
-to the engines, so a sync costs one copy whatever the number of ranks.
+replica does not fit) and trains its own shard of a step's groups. Before each optimizer update
+(one per step by default; one per PPO mini-batch and epoch otherwise) the ranks sum their
+gradients with one all-reduce of a flat buffer (``AllReducedEngine``); they agree on each
+update's normaliser (and whole-batch advantages) by gathering the step's samples once, and each
+takes the same optimizer step, so the replicas stay identical without ever broadcasting
+weights. Weights for the engines are never gathered: every rank already holds them whole, and
+only rank 0 exports and publishes them, so a sync costs one copy whatever the number of ranks.
 
 ``gloo`` on CPU, ``nccl`` on CUDA. Deliberately not here: choosing which rank trains which group
 (the pipeline balances groups by tokens), tensor or pipeline parallelism.
@@ -14,14 +16,16 @@ to the engines, so a sync costs one copy whatever the number of ranks.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-NOT_SUMMED = frozenset({"grad_norm", "skipped_steps"})
+from sluice.api import Algorithm, MicroBatch, Sample
+
+NOT_SUMMED = frozenset({"grad_norm", "skipped_steps", "optimizer_steps"})
 """Step metrics every rank computes identically after the all-reduce (not added across ranks)."""
 
 
@@ -83,3 +87,29 @@ class DataParallelGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class AllReducedEngine:
+    """A train engine whose every optimizer update first sums the gradients over the ranks.
+
+    Each rank accumulates its own samples of an update (maybe none: it then contributes zeros),
+    and ``finish_step`` all-reduces before the engine scales by the update's step-wide
+    normaliser, clips and steps, so clipping sees the whole update's gradient.
+    """
+
+    def __init__(self, engine: Any, group: DataParallelGroup) -> None:
+        self.engine = engine
+        self.group = group
+
+    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
+        return self.engine.logprobs(samples, temperature)  # type: ignore[no-any-return]
+
+    def begin_step(self) -> None:
+        self.engine.begin_step()
+
+    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
+        self.engine.accumulate(mb, algorithm)
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        self.group.all_reduce_grads(self.engine.model.parameters())
+        return self.engine.finish_step(grad_scale)  # type: ignore[no-any-return]

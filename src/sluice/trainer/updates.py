@@ -78,6 +78,31 @@ def proximal_logprobs(
     return [list(s.behav_logprobs) for s in samples]
 
 
+@dataclass(frozen=True)
+class MiniBatchPart:
+    """One mini-batch of a step as one trainer (rank) sees it."""
+
+    mine: tuple[int, ...]
+    """Indices, into this rank's own samples, of those the mini-batch holds (maybe none)."""
+    normaliser: float
+    """The whole mini-batch's normaliser, over every rank's samples."""
+
+
+def mini_batch_plan(
+    step_samples: Sequence[Sample], algorithm: Algorithm, mini_batches: int, mine: Sequence[int] | None = None
+) -> list[MiniBatchPart]:
+    """The step's mini-batches, cut over ``step_samples`` (the whole step, every rank's samples,
+    in arrival order); ``mine`` are the ascending positions in it of this rank's own samples
+    (``None``: one trainer owns them all). Every rank gets the same cuts and normalisers, so
+    summing the ranks' gradients of each mini-batch gives the one-trainer update."""
+    owned = range(len(step_samples)) if mine is None else mine
+    plan = []
+    for part in mini_batch_ranges(len(step_samples), mini_batches):
+        local = tuple(k for k, position in enumerate(owned) if position in part)
+        plan.append(MiniBatchPart(local, algorithm.normaliser([step_samples[i] for i in part])))
+    return plan
+
+
 def run_updates(
     engine: StreamingTrainEngine,
     samples: Sequence[Sample],
@@ -86,17 +111,22 @@ def run_updates(
     algorithm: Algorithm,
     micro_batch_tokens: int,
     schedule: UpdateSchedule,
+    plan: Sequence[MiniBatchPart] | None = None,
 ) -> list[dict[str, float]]:
     """Every optimizer update of one step, epoch by epoch, mini-batch by mini-batch; returns each
-    update's metrics. ``prox_logprobs`` stay fixed for the whole step."""
+    update's metrics. ``prox_logprobs`` stay fixed for the whole step. ``plan`` (data
+    parallelism: ``mini_batch_plan`` over every rank's samples) says which of ``samples`` each
+    mini-batch holds and its normaliser; by default ``samples`` are the whole step."""
+    if plan is None:
+        plan = mini_batch_plan(samples, algorithm, schedule.mini_batches)
     results = []
     for _ in range(schedule.epochs):
-        for part in mini_batch_ranges(len(samples), schedule.mini_batches):
-            sub = [samples[i] for i in part]
+        for part in plan:
             packer = InOrderPacker(micro_batch_tokens)
-            planned = packer.add(sub, [advantages[i] for i in part], [prox_logprobs[i] for i in part])
+            sub = [samples[i] for i in part.mine]
+            planned = packer.add(sub, [advantages[i] for i in part.mine], [prox_logprobs[i] for i in part.mine])
             planned += packer.flush()
-            results.append(run_step(engine, planned, algorithm, algorithm.normaliser(sub)))
+            results.append(run_step(engine, planned, algorithm, part.normaliser))
     return results
 
 

@@ -5,15 +5,18 @@ reads those rows from the queue itself (data never passes through the driver), c
 group's advantages, and runs each micro-batch as soon as it is complete — cut in order by
 ``pack_in_order``, so the step is bit-identical to a whole-batch step over the same samples.
 ``finish_step`` scales by the step-wide normaliser, takes the optimizer step and publishes the
-new weights. It is synchronous (a blocking queue read waits for the rows); the same class runs in a worker
-thread (``backend: local``) or as a Ray actor. With data parallelism (``join_data_parallel``)
-several workers each train the groups handed to them and combine gradients at ``finish_step``
-(``trainer/data_parallel.py``); rank 0 publishes. It does not choose groups.
+new weights; a schedule of several updates (PPO mini-batches, epochs, recomputed proximal
+log-probs) holds the step's samples and runs them all there. It is synchronous (a blocking queue
+read waits for the rows); the same class runs in a worker thread (``backend: local``) or as a
+Ray actor. With data parallelism (``join_data_parallel``) several workers each train the groups
+handed to them, told each group's place in the step, and sum gradients before every optimizer
+update (``trainer/data_parallel.py``); rank 0 publishes. It does not choose groups.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,17 @@ from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.telemetry.trace import SpanRecorder
-from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
+from sluice.trainer.data_parallel import AllReducedEngine, DataParallelGroup, free_tcp_address
 from sluice.trainer.rng_state import capture_rng, restore_rng
-from sluice.trainer.step import InOrderPacker, step_normaliser
-from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule, proximal_logprobs, train_global_batch
+from sluice.trainer.step import InOrderPacker, StreamingTrainEngine, step_normaliser
+from sluice.trainer.updates import (
+    ONE_UPDATE,
+    UpdateSchedule,
+    merge_update_metrics,
+    mini_batch_plan,
+    proximal_logprobs,
+    run_updates,
+)
 
 TRAIN_TASK = "train"
 TRAINER_STATE = "trainer_state.pt"
@@ -62,9 +72,13 @@ class TrainerWorker:
         self.version = 0
         self._step: InOrderPacker | None = None
         self._held: list[Sample] = []
+        self._positions: list[int] = []
+        """The step position of each held sample's group (the data-parallel ranks' common order)."""
         self._timing: dict[str, float] = {}
         self._trained_uids: list[str] = []
         self.dp: DataParallelGroup | None = None
+        self.updater: StreamingTrainEngine = self.engine
+        """What takes optimizer updates: the engine, or the engine behind the ranks' all-reduce."""
 
     def rendezvous_address(self) -> str:
         """Where the data-parallel ranks meet (asked of rank 0, on its node)."""
@@ -72,21 +86,26 @@ class TrainerWorker:
 
     def join_data_parallel(self, address: str, rank: int, world_size: int) -> None:
         """Join the trainer ranks' process group; blocks until every rank has joined."""
-        if not self.schedule.streams:
-            raise ValueError("data-parallel training needs ppo_mini_batches = ppo_epochs = 1 and prox_logprobs: behav")
         self.dp = DataParallelGroup(address, rank, world_size)
+        self.updater = AllReducedEngine(self.engine, self.dp)
         if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
             self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled)
 
+    @property
+    def holds_step(self) -> bool:
+        """The step's samples wait for ``finish_step``: whole-batch advantages or several updates."""
+        return self.algorithm.whole_batch_advantages or not self.schedule.streams
+
     def begin_step(self) -> None:
         self._step = InOrderPacker(self.micro_batch_tokens)
-        self._held = []
+        self._held, self._positions = [], []
         self._timing = {"wait_data_s": 0.0, "first_microbatch_at": 0.0}
         self.engine.begin_step()
 
-    def add_groups(self, group_ids: list[int]) -> None:
+    def add_groups(self, group_ids: list[int], positions: list[int] | None = None) -> None:
         """Read these groups' rows (one queue read, waiting until they are ready), then train every
-        micro-batch they complete; samples enter in the given group order."""
+        micro-batch they complete; samples enter in the given group order. ``positions``: each
+        group's place in the whole step (data parallelism; default: after this worker's groups)."""
         assert self._step is not None, "begin_step first"
         start = time.perf_counter()
         with self.tracer.span("wait_data", lane="trainer", groups=len(group_ids)):
@@ -96,8 +115,11 @@ class TrainerWorker:
         self._timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
         samples = sorted(rows_to_samples(batch), key=lambda s: position[s.group_id])
-        if self.algorithm.whole_batch_advantages or not self.schedule.streams:  # needs the whole step
+        if self.holds_step:
+            start = self._positions[-1] + 1 if self._positions else 0
+            where = dict(zip(group_ids, positions or range(start, start + len(group_ids)), strict=True))
             self._held.extend(samples)
+            self._positions.extend(where[s.group_id] for s in samples)
             return
         prox = proximal_logprobs(self.engine, samples, self.schedule, self.engine.temperature)
         for mb in self._step.add(samples, self.algorithm.advantages(samples), prox):
@@ -106,41 +128,53 @@ class TrainerWorker:
     def finish_step(self) -> dict[str, float]:
         """Flush, scale by the step-wide normaliser, optimizer step, publish version ``v + 1``."""
         assert self._step is not None, "begin_step first"
-        held, self._held = self._held, []
-        if not self.schedule.streams:
-            with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
-                metrics = train_global_batch(
-                    self.engine, held, self.algorithm, self.micro_batch_tokens, self.schedule, self.engine.temperature
-                )
-            return self._publish(metrics, held)
-        prox = proximal_logprobs(self.engine, held, self.schedule, self.engine.temperature)
-        if held or (self.dp is not None and self.algorithm.whole_batch_advantages):  # every rank gathers
-            for mb in self._step.add(held, self._held_advantages(held), prox):
-                self._accumulate(mb)
+        if self.holds_step:
+            held, self._held = self._held, []
+            return self._train_held(held)
         for mb in self._step.flush():
             self._accumulate(mb)
         with self.tracer.span("optimizer_step", lane="trainer"):
             step_samples = self._everyone(self._step.samples)
-            if self.dp is not None:
-                self.dp.all_reduce_grads(self.engine.model.parameters())
-            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(step_samples, self.algorithm))
+            metrics = self.updater.finish_step(grad_scale=1.0 / step_normaliser(step_samples, self.algorithm))
             if self.dp is not None:
                 metrics = self.dp.sum_metrics(metrics)
         return self._publish(metrics, step_samples)
+
+    def _train_held(self, held: list[Sample]) -> dict[str, float]:
+        """Every update of the schedule over the held step: proximal log-probs once (at the step's
+        start), advantages over the whole step, then each mini-batch's update with the ranks'
+        gradients summed under that mini-batch's normaliser over all ranks."""
+        step_samples, mine = self._step_order(held)
+        with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
+            prox = proximal_logprobs(self.engine, held, self.schedule, self.engine.temperature)
+            everyone = self.algorithm.advantages(step_samples)
+            advantages = [everyone[i] for i in mine]
+            plan = mini_batch_plan(step_samples, self.algorithm, self.schedule.mini_batches, mine)
+            updates = run_updates(
+                _Traced(self), held, advantages, prox, self.algorithm, self.micro_batch_tokens, self.schedule, plan
+            )
+            metrics = merge_update_metrics(updates)
+            if self.dp is not None:
+                metrics = self.dp.sum_metrics(metrics)
+        return self._publish(metrics, step_samples)
+
+    def _step_order(self, held: list[Sample]) -> tuple[list[Sample], list[int]]:
+        """The whole step's samples in step order (every rank's, by group position) and the
+        positions in it of ``held`` (this worker's, already in step order)."""
+        positions, self._positions = self._positions, []
+        if self.dp is None:
+            return held, list(range(len(held)))
+        parts = self.dp.all_gather(list(zip(positions, held, strict=True)))
+        keyed = sorted((pos, rank, k) for rank, part in enumerate(parts) for k, (pos, _) in enumerate(part))
+        step_samples = [parts[rank][k][1] for _, rank, k in keyed]
+        mine = [i for i, (_, rank, _) in enumerate(keyed) if rank == self.dp.rank]
+        return step_samples, mine
 
     def _everyone(self, samples: list[Sample]) -> list[Sample]:
         """The whole step's samples over all data-parallel ranks (rank order); ``samples`` alone."""
         if self.dp is None:
             return samples
         return [s for part in self.dp.all_gather(samples) for s in part]
-
-    def _held_advantages(self, held: list[Sample]) -> list[list[float]]:
-        """Advantages of held samples: whole-batch estimators see every rank's samples."""
-        if self.dp is None or not self.algorithm.whole_batch_advantages:
-            return self.algorithm.advantages(held)
-        parts = self.dp.all_gather(held)
-        offset = sum(len(p) for p in parts[: self.dp.rank])
-        return self.algorithm.advantages([s for p in parts for s in p])[offset : offset + len(held)]
 
     def _publish(self, metrics: dict[str, float], samples: list[Sample]) -> dict[str, float]:
         """Version ``v + 1``: publish the weights, close the step, report."""
@@ -200,3 +234,22 @@ class TrainerWorker:
             self._timing["first_microbatch_at"] = time.time()
         with self.tracer.span("train_microbatch", lane="trainer", samples=len(mb.samples)):
             self.engine.accumulate(mb, self.algorithm)
+
+
+class _Traced:
+    """The worker's updater with each micro-batch traced as the streaming path traces it."""
+
+    def __init__(self, worker: TrainerWorker) -> None:
+        self.worker = worker
+
+    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
+        return self.worker.updater.logprobs(samples, temperature)
+
+    def begin_step(self) -> None:
+        self.worker.updater.begin_step()
+
+    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
+        self.worker._accumulate(mb)
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        return self.worker.updater.finish_step(grad_scale)
