@@ -129,6 +129,30 @@ class FakeLengthPredictor:
         self.observed.append((tuple(prompt_ids), length))
 
 
+class RecordingEngine:
+    """Wraps an ``InferenceEngine`` (a ``SimEngine`` in the proxy tests) and records the requests
+    it served and the most it ran at once."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.served: list[str] = []
+        self.running = 0
+        self.peak = 0
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self.served.append(request.request_id)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            result: Completion = await self.engine.generate(request)
+            return result
+        finally:
+            self.running -= 1
+
+    def __getattr__(self, name: str) -> Any:  # abort, pause, resume, update_weights, stats
+        return getattr(self.engine, name)
+
+
 def length_reward(response: str, **_: Any) -> float:
     """A reward with signal on any model: longer responses score higher (capped at 1)."""
     return min(len(response) / 8.0, 1.0)

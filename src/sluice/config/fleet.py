@@ -22,6 +22,26 @@ class FleetConfig(_Section):
     slots (more samples in flight than ``rollout.max_batch`` × replicas): long samples start first
     instead of last. ``run.mode: async`` only."""
 
+    long_tail_replicas: int = Field(default=0, ge=0)
+    """Skewness-aware dispatch (StreamRL): replicas dedicated to the requests the length ranker
+    predicts to be in the long tail (above all but the top ``long_tail_share`` of recent
+    predictions). They run at most ``long_tail_max_batch`` requests at once, so past the engine's
+    batch-size knee they decode faster per token; the other replicas run the rest at
+    ``rollout.max_batch``. Each side has its own longest-first queue; while one side has no
+    replica (all removed), its requests go to the other. 0 turns it off. Turn it on when lengths
+    are long-tailed and predictable and the step waits for its longest responses decoding in full
+    batches; choose the count so the dedicated replicas' share of the fleet matches the long
+    tail's share of the tokens. Needs ``fleet.lpt`` and fewer than ``rollout.replicas``."""
+
+    long_tail_share: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """``long_tail_replicas > 0``: the share of requests treated as long tail (StreamRL: 20 %),
+    judged against the last 1,024 predictions."""
+
+    long_tail_max_batch: int = Field(default=16, ge=1)
+    """``long_tail_replicas > 0``: running requests per dedicated replica (at most
+    ``rollout.max_batch``); the engine's batch-size knee, where per-token time starts to grow, is
+    the natural choice."""
+
     replica_actors: bool = False
     """Run each of the ``rollout.replicas`` inference engines in its own Ray actor (its own
     process and ``run.rollout_threads`` torch threads) instead of inside the rollout worker's
@@ -52,6 +72,8 @@ def check_fleet(fleet: FleetConfig, mode: str, backend: str) -> None:
     """Refuse fleet options the run's placement cannot honour (one clear error)."""
     if fleet.lpt and mode != "async":
         raise ValueError("fleet.lpt needs run.mode: async (the sync loop drives one engine without the LLMProxy)")
+    if fleet.long_tail_replicas and not fleet.lpt:
+        raise ValueError("fleet.long_tail_replicas needs fleet.lpt: true (the long tail is what the ranker predicts)")
     if fleet.replica_actors and (mode != "async" or backend != "ray"):
         raise ValueError("fleet.replica_actors needs run.mode: async and run.backend: ray")
     if fleet.weight_transfer == "broadcast" and (mode != "async" or backend != "ray"):

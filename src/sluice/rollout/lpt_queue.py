@@ -7,6 +7,10 @@ fill in around them, so the step's last response finishes sooner (Graham's LPT b
 FIFO's). The predictor predicts on arrival and learns from every finished response
 (``observe``), online, as the policy's lengths drift.
 
+With skewness-aware dispatch the proxy also gives the queue a ``lane`` function (long tail or
+regular, ``skew_dispatch.LongTailSplit``): each lane is its own longest-first heap over its own
+replicas, so the long tail waiting for a dedicated replica never holds up the regular requests.
+
 It knows nothing of replicas: ``release`` asks a ``pick`` callback for a replica with a free slot
 (the proxy's routing, which reserves it) and hands it to the head request's waiter.
 """
@@ -16,18 +20,28 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from sluice.api import LengthPredictor
 
+_Entry = tuple[float, int, Any, "asyncio.Future[Any]"]  # (-predicted, arrival, item, its turn)
+
 
 class LongestFirstQueue:
-    """Waiting requests in a heap by predicted response length, longest first."""
+    """Waiting requests in heaps by predicted response length, longest first.
 
-    def __init__(self, predictor: LengthPredictor) -> None:
+    ``lane`` (optional) sorts each request into a lane when it is first considered for release
+    (skewness-aware dispatch: long tail or regular), after everything that arrived in the same
+    event-loop iteration, so a wave of requests is classified together. Lanes use disjoint
+    replicas: a lane without a free slot holds only its own requests.
+    """
+
+    def __init__(self, predictor: LengthPredictor, lane: Callable[[Any], Hashable] | None = None) -> None:
         self.predictor = predictor
-        self._heap: list[tuple[float, int, Any, asyncio.Future[Any]]] = []
+        self.lane = lane
+        self._arrived: list[_Entry] = []
+        self._lanes: dict[Hashable, list[_Entry]] = {}
         self._arrivals = itertools.count()
         self.released = 0
         self.observed = 0
@@ -39,23 +53,32 @@ class LongestFirstQueue:
     def wait(self, predicted: float, item: Any) -> asyncio.Future[Any]:
         """Queue ``item``; the future resolves with the replica ``release`` picks for it."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (-predicted, next(self._arrivals), item, future))
+        self._arrived.append((-predicted, next(self._arrivals), item, future))
         return future
 
     def release(self, pick: Callable[[Any], Any | None]) -> None:
         """Give free slots to the longest waiting requests, while ``pick(item)`` finds one
-        (``None``: no replica has a free slot now). Cancelled waiters are skipped."""
-        while self._heap:
-            _, _, item, future = self._heap[0]
-            if future.done():
-                heapq.heappop(self._heap)
-                continue
-            target = pick(item)
-            if target is None:
-                return
-            heapq.heappop(self._heap)
-            future.set_result(target)
-            self.released += 1
+        (``None``: no replica has a free slot for it now; that closes the item's lane until the
+        next call). Across lanes the longest head goes first. Cancelled waiters are skipped."""
+        for entry in self._arrived:
+            key = self.lane(entry[2]) if self.lane is not None else None
+            heapq.heappush(self._lanes.setdefault(key, []), entry)
+        self._arrived.clear()
+        open_lanes = {key: heap for key, heap in self._lanes.items() if heap}
+        while open_lanes:
+            key = min(open_lanes, key=lambda k: open_lanes[k][0][:2])
+            heap = open_lanes[key]
+            _, _, item, future = heap[0]
+            if not future.done():
+                target = pick(item)
+                if target is None:  # no free slot for this lane now
+                    del open_lanes[key]
+                    continue
+                future.set_result(target)
+                self.released += 1
+            heapq.heappop(heap)
+            if not heap:
+                del open_lanes[key]
 
     def observe(self, prompt_ids: Sequence[int], length: int) -> None:
         """Learn from a finished response (not from aborted ones: their length is unknown)."""
@@ -63,4 +86,5 @@ class LongestFirstQueue:
         self.observed += 1
 
     def __len__(self) -> int:
-        return sum(not future.done() for *_, future in self._heap)
+        waiting = itertools.chain(self._arrived, *self._lanes.values())
+        return sum(not future.done() for *_, future in waiting)

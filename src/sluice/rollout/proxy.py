@@ -10,6 +10,10 @@
   requests per replica) to the waiting request with the longest predicted response; routing
   then weighs requests by predicted rather than maximum length, and the predictor learns from
   every finished response.
+- **Skewness-aware dispatch** (optional, StreamRL, on top of longest-first): a ``LongTailSplit``
+  dedicates some replicas to the requests predicted to be in the long tail, at a smaller cap on
+  running requests (fast per token), and keeps the rest on the other replicas; one longest-first
+  lane per side.
 - **Requests**: ``generate`` / ``abort`` as for one engine; ``pause`` holds new requests at the
   proxy and pauses the replicas; ``resume`` releases both.
 - **Replicas at run time**: ``add_replica`` loads the newest weights into a newcomer before
@@ -30,29 +34,19 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.api import Completion, GenerationRequest, LengthPredictor, Replica
 from sluice.api.protocols import WeightUpdateMode
 from sluice.rollout.lpt_queue import LongestFirstQueue
 from sluice.rollout.replicas import as_replica, merge_engine_stats
-from sluice.rollout.single_turn import sample_seed
+from sluice.rollout.routing import AffinityRouter, ReplicaState, continuation
+from sluice.rollout.skew_dispatch import LongTailSplit
 
 logger = logging.getLogger(__name__)
 
 _MODES = ("interrupt", "defer", "staggered")
-
-
-@dataclass(eq=False)
-class _ReplicaState:
-    replica_id: int
-    replica: Replica
-    version: int
-    accepting: bool = False
-    outstanding: float = 0.0
-    reserved: int = 0  # slots given to requests the longest-first queue released, not yet running
-    flights: set[str] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -62,6 +56,7 @@ class _Flight:
     user_aborted: bool = False
     displaced: bool = False
     predicted: float | None = None  # response length, when a length predictor orders requests
+    tail: bool = False  # predicted to be in the long tail (skewness-aware dispatch)
     waiting: asyncio.Future[Any] | None = None  # its turn in the longest-first queue
 
 
@@ -78,29 +73,40 @@ class LLMProxy:
         poll_s: float = 0.005,
         length_predictor: LengthPredictor | None = None,
         slots: int | None = None,
+        long_tail: LongTailSplit | None = None,
     ) -> None:
         if stagger < 1:
             raise ValueError(f"stagger must be >= 1, got {stagger}")
         if length_predictor is not None and (slots is None or slots < 1):
             raise ValueError(f"longest-first dispatch needs slots >= 1 per replica, got {slots}")
-        self.prompt_replication = prompt_replication
+        if long_tail is not None and length_predictor is None:
+            raise ValueError("skewness-aware dispatch needs a length predictor (the long tail is predicted)")
         self.stagger = stagger
         self.version = version
         """The newest version pushed to the replicas (each holds it once its update lands)."""
         self.poll_s = poll_s
-        self._states: dict[int, _ReplicaState] = {}
+        self._states: dict[int, ReplicaState] = {}
         self._next_id = 0
         for engine in replicas:  # construction-time replicas hold ``version`` already
             self._new_state(as_replica(engine), version).accepting = True
         self._flights: dict[str, _Flight] = {}
-        self._affinity: dict[str, tuple[int, int]] = {}  # key -> (replica id, requests in flight)
+        self._router = AffinityRouter(prompt_replication)
         self._weights: Mapping[str, Any] | None = None
         self._paused = False
         self._waiters: list[asyncio.Future[None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._updating: asyncio.Task[None] | None = None
         self._counts: Counter[str] = Counter()
-        self._lpt = LongestFirstQueue(length_predictor) if length_predictor is not None else None
+        self._long_tail = long_tail
+        if long_tail is not None:
+            if self._states and long_tail.replicas >= len(self._states):
+                raise ValueError(  # fleet.long_tail_replicas >= rollout.replicas
+                    f"{long_tail.replicas} long-tail replicas leave none of {len(self._states)} for the rest"
+                )
+            for replica_id in self._states:
+                long_tail.join(replica_id)
+        lane = self._lane if long_tail is not None else None
+        self._lpt = LongestFirstQueue(length_predictor, lane) if length_predictor is not None else None
         self.slots = slots or 0
         self._release_soon = False
 
@@ -116,6 +122,8 @@ class LLMProxy:
         flight = self._flights[rid] = _Flight(request)
         if self._lpt is not None:
             flight.predicted = self._lpt.predict(request.prompt_ids, request.params.max_new_tokens)
+            if self._long_tail is not None:
+                self._long_tail.record(flight.predicted)
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -125,7 +133,7 @@ class LLMProxy:
                 state = await self._route(flight)
                 if state is None:
                     break
-                part = await self._run_on(state, flight, self._continuation(request, tokens))
+                part = await self._run_on(state, flight, continuation(request, tokens))
                 tokens += part.token_ids
                 logprobs += part.logprobs
                 versions += part.versions
@@ -181,6 +189,8 @@ class LLMProxy:
             if self._lpt is None
             else {"lpt_waiting": float(len(self._lpt)), "lpt_observed": float(self._lpt.observed)}
         )
+        if self._long_tail is not None:
+            lpt["long_tail_replicas"] = float(len(self._long_tail.dedicated))
         return {
             **lpt,
             "replicas": float(len(self._states)),
@@ -205,6 +215,8 @@ class LLMProxy:
             await self._wait_version(state, self.version)
         if self._paused:
             await replica.pause()
+        if self._long_tail is not None:
+            self._long_tail.join(state.replica_id)
         state.accepting = True
         self._counts["replicas_added"] += 1
         self._notify()
@@ -215,6 +227,8 @@ class LLMProxy:
         their partial responses once any replica accepts), forget it; returns how many moved."""
         state = self._states[replica_id]
         state.accepting = False
+        if self._long_tail is not None:  # its side's waiting requests may now go to the other side
+            self._long_tail.leave(replica_id)
         moving = [self._flights[rid] for rid in state.flights]
         for flight in moving:
             flight.displaced = True
@@ -222,8 +236,9 @@ class LLMProxy:
         while state.flights:
             await self._wait_change()
         del self._states[replica_id]
-        self._affinity = {k: v for k, v in self._affinity.items() if v[0] != replica_id}
+        self._router.forget(replica_id)
         self._counts["replicas_removed"] += 1
+        self._notify()
         return len(moving)
 
     async def sync_weights(self, weights: Mapping[str, Any], version: int, mode: WeightUpdateMode) -> None:
@@ -245,7 +260,7 @@ class LLMProxy:
         await asyncio.gather(*(s.replica.update_weights(weights, version, engine_mode) for s in states))
         self._updating = self._spawn(self._wait_all(states, version))
 
-    async def _staggered(self, waves: list[list[_ReplicaState]], weights: Mapping[str, Any], version: int) -> None:
+    async def _staggered(self, waves: list[list[ReplicaState]], weights: Mapping[str, Any], version: int) -> None:
         for wave in waves:
             for state in wave:
                 state.accepting = False
@@ -256,15 +271,15 @@ class LLMProxy:
             self._notify()
         self._counts["staggered_updates"] += 1
 
-    async def _wait_all(self, states: list[_ReplicaState], version: int) -> None:
+    async def _wait_all(self, states: list[ReplicaState], version: int) -> None:
         await asyncio.gather(*(self._wait_version(s, version) for s in states))
 
-    async def _wait_version(self, state: _ReplicaState, version: int) -> None:
+    async def _wait_version(self, state: ReplicaState, version: int) -> None:
         while (await state.replica.stats())["version"] < version:
             await asyncio.sleep(self.poll_s)
         state.version = max(state.version, version)
 
-    async def _route(self, flight: _Flight) -> _ReplicaState | None:
+    async def _route(self, flight: _Flight) -> ReplicaState | None:
         """The replica for ``flight`` (waiting while paused or none accepts); ``None`` if it was
         aborted while it waited. Longest-first: waits for its turn in the queue instead."""
         if self._lpt is not None:
@@ -273,7 +288,7 @@ class LLMProxy:
                 self._release_soon = True
                 asyncio.get_running_loop().call_soon(self._release)
             try:
-                state: _ReplicaState | None = await flight.waiting
+                state: ReplicaState | None = await flight.waiting
             except asyncio.CancelledError:  # released, then cancelled before it could run
                 self._unreserve(flight.waiting)
                 raise
@@ -282,7 +297,7 @@ class LLMProxy:
                 return None
             return state
         while not flight.user_aborted:
-            state = None if self._paused else self._pick(flight.request)
+            state = None if self._paused else self._router.pick(flight.request, self._accepting())
             if state is not None:
                 return state
             await self._wait_change()
@@ -299,33 +314,30 @@ class LLMProxy:
             turn.result().reserved -= 1
             self._notify()
 
-    def _take_slot(self, flight: _Flight) -> _ReplicaState | None:
-        """Longest-first: a replica with a free slot for ``flight`` (reserved), or ``None``."""
+    def _lane(self, flight: _Flight) -> bool:
+        """Skewness-aware dispatch: whether ``flight`` belongs to the predicted long tail."""
+        assert self._long_tail is not None
+        flight.tail = self._long_tail.is_tail(flight.predicted or 0.0)
+        return flight.tail
+
+    def _take_slot(self, flight: _Flight) -> ReplicaState | None:
+        """Longest-first: a replica with a free slot for ``flight`` (reserved), or ``None``; with
+        skewness-aware dispatch, on its lane's side under that replica's cap."""
         if self._paused:
             return None
-        free = [s for s in self._states.values() if s.accepting and len(s.flights) + s.reserved < self.slots]
-        state = self._pick(flight.request, free)
-        if state is not None:
-            state.reserved += 1
-        return state
+        split = self._long_tail
+        free = []
+        for replica_id in list(self._states) if split is None else split.pool(self._states, flight.tail):
+            state = self._states[replica_id]
+            cap = self.slots if split is None else split.cap(replica_id, self.slots)
+            if state.accepting and len(state.flights) + state.reserved < cap:
+                free.append(state)
+        picked = self._router.pick(flight.request, free)
+        if picked is not None:
+            picked.reserved += 1
+        return picked
 
-    def _pick(self, request: GenerationRequest, candidates: list[_ReplicaState] | None = None) -> _ReplicaState | None:
-        open_states = [s for s in self._states.values() if s.accepting] if candidates is None else candidates
-        if not open_states:
-            return None
-        key = None if self.prompt_replication else request.affinity
-        if key is not None and key in self._affinity:
-            replica_id, count = self._affinity[key]
-            state = self._states.get(replica_id)
-            if state is not None and state in open_states:
-                self._affinity[key] = (replica_id, count + 1)
-                return state
-        state = min(open_states, key=lambda s: (s.outstanding, s.replica_id))
-        if key is not None:
-            self._affinity[key] = (state.replica_id, 1)
-        return state
-
-    async def _run_on(self, state: _ReplicaState, flight: _Flight, request: GenerationRequest) -> Completion:
+    async def _run_on(self, state: ReplicaState, flight: _Flight, request: GenerationRequest) -> Completion:
         budget = request.params.max_new_tokens
         rid, cost = request.request_id, len(request.prompt_ids) + min(flight.predicted or budget, budget)
         if self._lpt is not None:
@@ -334,43 +346,22 @@ class LLMProxy:
         state.flights.add(rid)
         flight.replica_id = state.replica_id
         self._counts["routed"] += 1
+        if flight.tail:
+            self._counts["long_tail_routed"] += 1
         try:
             return await state.replica.generate(request)
         finally:
             state.outstanding -= cost
             state.flights.discard(rid)
             flight.replica_id = None
-            self._release_affinity(request.affinity, state.replica_id)
+            self._router.release(request.affinity, state.replica_id)
             self._notify()
 
-    def _release_affinity(self, key: str | None, replica_id: int) -> None:
-        entry = self._affinity.get(key) if key is not None else None
-        if entry is not None and entry[0] == replica_id:
-            if entry[1] <= 1:
-                del self._affinity[key]  # type: ignore[arg-type]
-            else:
-                self._affinity[key] = (replica_id, entry[1] - 1)  # type: ignore[index]
+    def _accepting(self) -> list[ReplicaState]:
+        return [s for s in self._states.values() if s.accepting]
 
-    @staticmethod
-    def _continuation(request: GenerationRequest, tokens: list[int]) -> GenerationRequest:
-        """The rest of ``request`` after ``tokens``: prompt + tokens so far, the remaining length,
-        and a fresh sampling stream (the new replica's counter starts at 0)."""
-        if not tokens:
-            return request
-        params = request.params
-        rest = type(params)(
-            params.max_new_tokens - len(tokens), params.temperature, params.top_p, params.stop_token_ids
-        )
-        return GenerationRequest(
-            request.request_id,
-            request.prompt_ids + tuple(tokens),
-            rest,
-            seed=sample_seed(request.seed, len(tokens), 1),
-            affinity=request.affinity,
-        )
-
-    def _new_state(self, replica: Replica, version: int) -> _ReplicaState:
-        state = _ReplicaState(self._next_id, replica, version)
+    def _new_state(self, replica: Replica, version: int) -> ReplicaState:
+        state = ReplicaState(self._next_id, replica, version)
         self._states[state.replica_id] = state
         self._next_id += 1
         return state

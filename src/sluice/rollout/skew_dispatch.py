@@ -8,9 +8,13 @@ predicted lengths (``length_ranker``), ``skewness_aware_dispatch`` puts the pred
 longest-predicted-first order everywhere, and picks the ``k`` (including ``k = 0``: no
 dedicated replicas) whose predicted makespan is smallest.
 
-It is a pure function of predictions and a cost model: the caller (``LLMProxy``) routes each
-request to ``plan.replica_of[i]``, submits each replica's requests in ``plan.order[r]``, and caps
-replica ``r`` at ``plan.max_batch[r]`` running sequences. Nothing here touches an engine.
+``skewness_aware_dispatch`` is a pure function of predictions and a cost model, for planning
+(choosing how many replicas to dedicate and their batch cap: ``benchmarks/rollout.py``,
+``benchmarks/length_ranker.py``). ``LongTailSplit`` applies such a split on the live path: the
+``LLMProxy`` (``fleet.long_tail_replicas``) asks it which requests are in the predicted long tail
+(the top share of recent predictions), which replicas are dedicated to them, and each replica's
+cap on running requests; its longest-first queue keeps one lane per side. Nothing here touches
+an engine.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from sluice.config.fleet import FleetConfig
 from sluice.rollout.length_ranker import long_tail, lpt_order
 
 StepTime = Callable[[int], float]
@@ -127,3 +132,71 @@ def _plan(predicted: Sequence[float], pools: list[tuple[list[int], int, int]], s
             caps.append(cap)
     tail_replicas = tuple(range(pools[0][1])) if len(pools) == 2 else ()
     return DispatchPlan(tuple(replica_of), tuple(order), tuple(caps), tail_replicas, makespan)
+
+
+class LongTailSplit:
+    """Skewness-aware dispatch on the live path: the ``LLMProxy`` side of StreamRL Alg. 2.
+
+    ``replicas`` replicas are dedicated to the predicted long tail and run at most ``max_batch``
+    requests each (small batches: fast per token past the knee); the other replicas take the rest
+    at the proxy's full ``slots``. A request is in the long tail when its predicted length is above
+    all but the top ``share`` of the last ``window`` predictions, so the split follows the ranker as
+    it learns and as lengths drift. When one side has no replica left (all removed), its requests
+    go to the other side's replicas rather than wait for one that may never come.
+    """
+
+    def __init__(self, replicas: int, max_batch: int, *, share: float = 0.2, window: int = 1024) -> None:
+        if replicas < 1 or max_batch < 1 or window < 1 or not 0.0 < share < 1.0:
+            raise ValueError(
+                f"need replicas >= 1, max_batch >= 1, window >= 1, 0 < share < 1 "
+                f"(got {replicas}, {max_batch}, {window}, {share})"
+            )
+        self.replicas = replicas
+        self.max_batch = max_batch
+        self.share = share
+        self.dedicated: set[int] = set()
+        """Ids of the replicas that run the long tail now."""
+        self._recent: deque[float] = deque(maxlen=window)
+        self._threshold: float | None = None
+
+    def record(self, predicted: float) -> None:
+        """Remember one request's predicted length (the long tail is a share of recent ones)."""
+        self._recent.append(predicted)
+        self._threshold = None
+
+    def is_tail(self, predicted: float) -> bool:
+        """Whether ``predicted`` is above the top-``share`` threshold of the recent predictions
+        (strictly: when the ranker predicts one constant, nothing is long tail)."""
+        if self._threshold is None:
+            ranked = sorted(self._recent, reverse=True)
+            self._threshold = ranked[int(self.share * len(ranked))] if ranked else math.inf
+        return predicted > self._threshold
+
+    def join(self, replica_id: int) -> bool:
+        """A replica starts taking requests: dedicate it while fewer than ``replicas`` are."""
+        if len(self.dedicated) < self.replicas:
+            self.dedicated.add(replica_id)
+            return True
+        return False
+
+    def leave(self, replica_id: int) -> None:
+        self.dedicated.discard(replica_id)
+
+    def cap(self, replica_id: int, slots: int) -> int:
+        """Running requests allowed on a replica whose regular cap is ``slots``."""
+        return min(self.max_batch, slots) if replica_id in self.dedicated else slots
+
+    def pool(self, replica_ids: Iterable[int], tail: bool) -> list[int]:
+        """The replicas a request of the long tail (``tail``) or of the rest may run on: its own
+        side's, or every replica while its side has none."""
+        ids = list(replica_ids)
+        return [r for r in ids if (r in self.dedicated) == tail] or ids
+
+
+def long_tail_split(fleet: FleetConfig, max_batch: int) -> LongTailSplit | None:
+    """The ``LLMProxy``'s ``LongTailSplit`` for a run's ``fleet`` options (``None``: off);
+    ``max_batch`` is the regular replicas' cap (``rollout.max_batch``)."""
+    if not fleet.long_tail_replicas:
+        return None
+    cap = min(fleet.long_tail_max_batch, max_batch)
+    return LongTailSplit(fleet.long_tail_replicas, cap, share=fleet.long_tail_share)

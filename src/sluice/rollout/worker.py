@@ -37,6 +37,7 @@ from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.proxy import LLMProxy
 from sluice.rollout.replicas import engine_fingerprint, start_engine_actors
 from sluice.rollout.single_turn import SingleTurnWorkflow
+from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
 
 
@@ -86,6 +87,7 @@ class RolloutWorker:
             stagger=stagger,
             length_predictor=OnlineLengthRanker() if fleet.lpt else None,
             slots=max_batch,
+            long_tail=long_tail_split(fleet, max_batch),
         )
         self.fleet = fleet
         if params is not None and not params.stop_token_ids:

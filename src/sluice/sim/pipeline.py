@@ -23,6 +23,7 @@ from sluice.rollout.filters import GroupFilter
 from sluice.rollout.groups import GroupRunner, Scheduling
 from sluice.rollout.proxy import LLMProxy
 from sluice.rollout.single_turn import SingleTurnWorkflow
+from sluice.rollout.skew_dispatch import LongTailSplit
 from sluice.sim.engine import SimEngine
 from sluice.sim.task import SimReward, SimTokenizer
 
@@ -59,6 +60,7 @@ class SimPipeline:
         seed: int = 0,
         time_scale: float = 1.0,
         length_predictor: LengthPredictor | None = None,
+        long_tail: LongTailSplit | None = None,
     ) -> None:
         self.engines = list(engines)
         slots = max(e.config.max_running for e in self.engines) if length_predictor is not None else None
@@ -68,6 +70,7 @@ class SimPipeline:
             stagger=stagger,
             length_predictor=length_predictor,  # longest-predicted-first over the replicas' slots
             slots=slots,
+            long_tail=long_tail,  # skewness-aware dispatch: dedicated long-tail replicas
         )
         self.queue = LocalQueue()
         self.queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
