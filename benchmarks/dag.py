@@ -93,26 +93,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 and 8 workers, 1k and 32k tokens, 2 steps")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--cells", default="", help="only these cells, e.g. 8x32768,2x1024 (workers x tokens)")
     args = parser.parse_args()
     workers = (2, 8) if args.quick else (2, 4, 8)
     tokens = (1024, 32768) if args.quick else (1024, 8192, 32768)
+    cells = [(w, t) for w in workers for t in tokens]
+    if args.cells:
+        cells = [(int(w), int(t)) for w, t in (c.split("x") for c in args.cells.split(","))]
     steps = 2 if args.quick else args.steps
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              object_store_memory=1024**3)  # fmt: skip
     rows = []
-    for w in workers:
-        for t in tokens:
-            pair = {kind: measure(kind, w, t, steps) for kind in (SingleControllerRun, MultiControllerRun)}
-            multi, single = pair[MultiControllerRun], pair[SingleControllerRun]
-            multi["speedup"] = single["seconds"] / multi["seconds"]
-            rows += [single, multi]
-            print(
-                f"workers {w}  tokens {t:>6}: single {single['tokens_per_s'] / 1e6:7.2f} M tok/s "
-                f"({single['driver_sample_bytes'] / 2**20:8.1f} MiB sample data via driver)  multi "
-                f"{multi['tokens_per_s'] / 1e6:7.2f} M tok/s ({multi['driver_sample_bytes']} B)  "
-                f"multi/single {multi['speedup']:.2f}x",
-                flush=True,
-            )
+    for w, t in cells:
+        pair = {kind: measure(kind, w, t, steps) for kind in (SingleControllerRun, MultiControllerRun)}
+        multi, single = pair[MultiControllerRun], pair[SingleControllerRun]
+        multi["speedup"] = single["seconds"] / multi["seconds"]
+        rows += [single, multi]
+        print(
+            f"workers {w}  tokens {t:>6}: single {single['tokens_per_s'] / 1e6:7.2f} M tok/s "
+            f"({single['driver_sample_bytes'] / 2**20:8.1f} MiB sample data via driver)  multi "
+            f"{multi['tokens_per_s'] / 1e6:7.2f} M tok/s ({multi['driver_sample_bytes']} B)  "
+            f"multi/single {multi['speedup']:.2f}x",
+            flush=True,
+        )
     print()
     print(
         "| workers | tokens/sample | single M tok/s | multi M tok/s | multi/single | driver sample B: single | multi |"

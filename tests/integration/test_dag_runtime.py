@@ -86,3 +86,30 @@ def test_the_staleness_bound_holds_with_two_rollout_workers(ray_cluster):
         assert max(staleness) == eta and min(staleness) == 0  # η = 1: generation ran one step ahead
         assert result.gate["max_lead"] <= eta and result.gate["version"] == steps
         assert all(c["position"] + c["epoch"] * 20 > 0 for c in result.cursors)  # both rollout workers generated
+
+
+def test_the_gate_answers_same_node_workers_over_its_socket(ray_cluster):
+    import pickle
+    import threading
+
+    import ray
+
+    from sluice.pipeline.gate import ServedGate
+    from sluice.pipeline.peer import Peer
+
+    gate = ray.remote(ServedGate).options(num_cpus=0, max_concurrency=8).remote(2, 0, 2, 1)
+    try:
+        peer = Peer(gate)
+        assert peer.call("acquire", 5, 10.0) == [(0, 0), (1, 0)]
+        assert peer._address  # this process shares the gate's node: the call went over the socket
+        got: list = []
+        other = Peer(gate)  # a second caller waits on its own connection and thread
+        waiter = threading.Thread(target=lambda: got.extend(other.call("acquire", 5, 10.0)))
+        waiter.start()
+        assert peer.call("step_done", 0) == 1
+        waiter.join(10)
+        assert got == [(2, 1), (3, 1)] and peer.call("stats")["version"] == 1
+        assert pickle.loads(pickle.dumps(peer))._address is None  # another process resolves its own way
+    finally:
+        ray.get(gate.close_transport.remote())
+        ray.kill(gate)

@@ -4,15 +4,18 @@ Generate workers ask ``acquire(n)`` for up to ``n`` group credits; a credit is t
 sequence number ``g`` (it belongs to global batch ``g // B``) and the policy version it is
 generated with. Credits follow ``StalenessGate`` (``accepted + in_flight < (v + η + 1) · B``),
 so with η = 1 generation runs at most one step ahead of training. ``v`` advances when every
-consuming worker reported the step done. One instance runs as a threaded Ray actor; the
-object itself is plain and tested in-process.
+consuming worker reported the step done. One instance runs as a threaded Ray actor
+(``ServedGate``: workers on its node call it over a Unix socket, ``peer.py``); the object itself
+is plain and tested in-process.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from sluice.controller.staleness import StalenessGate
+from sluice.pipeline.peer import endpoint_of
 
 
 class AdmissionGate:
@@ -53,3 +56,23 @@ class AdmissionGate:
     def stats(self) -> dict[str, int]:
         with self._cond:
             return {"version": self.version, "granted": self.granted, "max_lead": self.max_lead}
+
+
+class ServedGate(AdmissionGate):
+    """The gate as the runtime's actor: also serves ``acquire`` / ``step_done`` / ``stats`` on a
+    Unix socket for same-node workers (each connection has its own thread, so a waiting
+    ``acquire`` blocks only its caller)."""
+
+    DIRECT_METHODS = ("acquire", "step_done", "stats")
+
+    def __init__(self, *args: Any) -> None:
+        from sluice.queue.direct import DirectServer
+
+        super().__init__(*args)
+        self._server = DirectServer(self)
+
+    def endpoint(self) -> tuple[str, str]:
+        return endpoint_of(self._server)
+
+    def close_transport(self) -> None:
+        self._server.close()

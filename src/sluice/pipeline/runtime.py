@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.api import Batch, RowMeta
-from sluice.pipeline.gate import AdmissionGate
+from sluice.pipeline.gate import ServedGate
 from sluice.pipeline.planner import Plan, WorkerGroup
 from sluice.pipeline.transport import DriverBytes, DriverTransport
 from sluice.pipeline.worker import DagWorker, RuntimeSettings, take_rows
@@ -50,7 +50,7 @@ class _Run:
         self.transport = DriverTransport(frozenset(c for n in plan.spec.nodes for c in (*n.reads, *n.writes)))
         self.queue = RayQueue.create(storage_units, tasks=plan.queue_tasks())
         consumers = sum(g.size for g in plan.groups if not self._generates(g))
-        gate_cls: Any = ray.remote(AdmissionGate).options(num_cpus=0, max_concurrency=64)
+        gate_cls: Any = ray.remote(ServedGate).options(num_cpus=0, max_concurrency=64)
         args = (settings.groups_per_step, settings.max_staleness, settings.steps, consumers)
         self.gate = self.transport.call(gate_cls, *args)
         workers = sum(g.size for g in plan.groups)
@@ -70,13 +70,18 @@ class _Run:
             ]
 
     def ready(self) -> None:
-        """Wait until every actor (workers, gate, the queue's units and controllers) is up, so a
-        timed ``run`` measures the data path, not process start-up."""
+        """Wait until every actor (workers, gate, the queue's units and controllers) is up and
+        every worker knows its rank 0, then warm the variant's data path, so a timed ``run``
+        measures the data path, not process start-up or first connections."""
         t = self.transport
         t.get([t.call(a.phases) for actors in self.workers.values() for a in actors] + [t.call(self.gate.stats)])
         self.queue.stats()
-        bases = [WARM_PARTITIONS + 1000 * k for k in range(len(self.workers))]
-        t.get([t.call(actors[0].warm_up, base) for actors, base in zip(self.workers.values(), bases, strict=True)])
+        for actors in self.workers.values():
+            t.get([t.call(a.connect, actors[0] if r else None) for r, a in enumerate(actors)])
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        raise NotImplementedError
 
     def _generates(self, group: WorkerGroup) -> bool:
         return any(self.plan.spec.node(n).type == "generate" for n in group.nodes)
@@ -91,6 +96,8 @@ class _Run:
     def close(self) -> None:
         import ray
 
+        ray.get([a.close_transport.remote() for actors in self.workers.values() for a in actors])
+        ray.get(self.gate.close_transport.remote())
         for actors in self.workers.values():
             for actor in actors:
                 ray.kill(actor)
@@ -101,10 +108,18 @@ class _Run:
 class MultiControllerRun(_Run):
     """Every worker runs its own loop; the driver sends ``run`` once per worker and reads metrics."""
 
+    def _warm_up(self) -> None:
+        """Each worker's queue path (units, outbox, shard reads), gate and rank-0 connections."""
+        t, units = self.transport, len(self.queue.units)
+        bases = [WARM_PARTITIONS + 1_000_000 * k for k in range(len(self.workers))]
+        t.get([
+            t.call(a.warm_up, base, units)
+            for actors, base in zip(self.workers.values(), bases, strict=True)
+            for a in actors
+        ])  # fmt: skip
+
     def run(self) -> DagRunResult:
         t = self.transport
-        for actors in self.workers.values():
-            t.get([t.call(a.connect, actors[0] if r else None) for r, a in enumerate(actors)])
         rows = sum(t.get([t.call(a.run) for actors in self.workers.values() for a in actors]))
         return self._result(rows)
 
@@ -112,6 +127,16 @@ class MultiControllerRun(_Run):
 class SingleControllerRun(_Run):
     """The driver moves every row: it gathers each step's generated rows, then per node scatters
     the rows' shards to the node's workers and gathers their outputs (the same node functions)."""
+
+    def _warm_up(self) -> None:
+        """Ray's by-value path to and from each worker, with a buffer as big as a warm-up row."""
+        import numpy as np
+
+        from sluice.pipeline.worker import WARM_ROW_BYTES
+
+        t = self.transport
+        payload = np.zeros(WARM_ROW_BYTES, dtype=np.uint8)
+        t.get([t.call(a.round_trip, payload) for actors in self.workers.values() for a in actors])
 
     def run(self) -> DagRunResult:
         t, s = self.transport, self.settings

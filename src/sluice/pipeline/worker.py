@@ -6,8 +6,10 @@ parallel))``: the queue's redistribution between nodes of different sizes), runs
 writes the outputs back to the same rows. A worker of a ``generate`` node instead takes admission
 credits from the gate, reads prompts from its own shard of the dataset (``loader.py``) and writes
 new rows into the step's partition. Metrics go many-to-one to rank 0 of the worker group, which
-the driver asks once. The single-controller variant (``runtime.py``) drives the same worker
-through ``apply`` / ``produce``, passing rows by value.
+the driver asks once. Credits, step reports and metrics are control calls to the gate and to
+rank 0 (``peer.py``: over a Unix socket on one node); sample bytes only ever go through the queue.
+The single-controller variant (``runtime.py``) drives the same worker through ``apply`` /
+``produce``, passing rows by value.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from sluice.api import Batch, Partition, RowMeta, Shard
 from sluice.pipeline.functions import NodeContext, apply_node, resolve_function
 from sluice.pipeline.loader import PromptSource, ShardLoader
+from sluice.pipeline.peer import Peer, endpoint_of
 from sluice.pipeline.planner import Plan
 from sluice.pipeline.spec import DagError
 
@@ -46,15 +49,23 @@ class RuntimeSettings:
         return self.groups_per_step * self.group_size
 
 
+WARM_ROW_BYTES = 256 * 1024
+"""Size of a warm-up row: above the queue's shared-memory threshold, so ``warm_up`` opens its arenas."""
+
+
 class DagWorker:
-    """Rank ``rank`` of worker group ``group`` of ``plan``; ``queue`` is a blocking queue client."""
+    """Rank ``rank`` of worker group ``group`` of ``plan``; ``queue`` is a blocking queue client,
+    ``gate`` the ``ServedGate`` actor."""
+
+    DIRECT_METHODS = ("report", "phases")
 
     def __init__(
         self, plan: Plan, group: str, rank: int, settings: RuntimeSettings, queue: Any, gate: Any, models: Any = None
     ) -> None:
         spec = plan.spec
         members = next(g for g in plan.groups if g.name == group)
-        self.rank, self.size, self.settings, self.queue, self.gate = rank, members.size, settings, queue, gate
+        self.rank, self.size, self.settings, self.queue = rank, members.size, settings, queue
+        self.gate = Peer(gate)
         self.nodes = [spec.node(n) for n in members.nodes if rank < spec.node(n).parallel]
         generates = [n for n in spec.nodes if n.type == "generate" and n.id in members.nodes]
         if generates and len(members.nodes) > 1:
@@ -64,7 +75,8 @@ class DagWorker:
         self.functions = {n.id: resolve_function(n) for n in self.nodes}
         self.contexts = {n.id: NodeContext(n, rank, n.parallel, models=models) for n in self.nodes}
         self.loader = ShardLoader(settings.prompts, rank, generates[0].parallel) if generates and self.nodes else None
-        self.rank0: Any = None
+        self.rank0: Peer | None = None
+        self._server: Any = None  # rank 0's socket for its ranks' reports (``endpoint``)
         self._reports: dict[int, list[dict[str, float]]] = {}
         self._lock = threading.Lock()
         self.trained: list[tuple[int, int, int]] = []  # (step, row, row version) of every row read
@@ -76,7 +88,16 @@ class DagWorker:
 
     def connect(self, rank0: Any) -> None:
         """Rank 0 of this group, where metrics are aggregated (``None`` on rank 0 itself)."""
-        self.rank0 = rank0
+        self.rank0 = None if rank0 is None else Peer(rank0)
+
+    def endpoint(self) -> tuple[str, str]:
+        """Where same-node ranks call ``report`` (a socket served from the first ask on)."""
+        with self._lock:
+            if self._server is None:
+                from sluice.queue.direct import DirectServer
+
+                self._server = DirectServer(self)
+        return endpoint_of(self._server)
 
     # -- multi-controller: the worker runs the whole loop itself ------------------------------
 
@@ -89,17 +110,18 @@ class DagWorker:
         per_call = s.grants_per_call or max(1, s.groups_per_step // node.parallel)
         rows = 0
         clock = time.perf_counter()
-        while grants := _ray_get(self.gate.acquire.remote(per_call, s.timeout_s)):
+        while grants := self.gate.call("acquire", per_call, s.timeout_s):
             clock = self._phase("acquire_s", clock)
             indices, columns, meta = self.produce(grants)
             clock = self._phase("produce_s", clock)
-            for step in sorted({m.partition for m in meta}):  # one put per partition the grants span
+            steps = sorted({m.partition for m in meta})
+            for step in steps:  # one put per partition the grants span
                 pick = [k for k, m in enumerate(meta) if m.partition == step]
-                part = {c: take_rows(v, pick) for c, v in columns.items()}
+                whole = len(steps) == 1  # all rows: put the columns as they are, no copy
                 self.queue.put(
-                    [indices[k] for k in pick],
-                    part,
-                    [meta[k] for k in pick],
+                    indices if whole else [indices[k] for k in pick],
+                    columns if whole else {c: take_rows(v, pick) for c, v in columns.items()},
+                    meta if whole else [meta[k] for k in pick],
                     partition=Partition(step, s.rows_per_step),
                 )
             clock = self._phase("put_s", clock)
@@ -142,8 +164,8 @@ class DagWorker:
                 self._phase(f"{node.id}_put_s", clock)
                 metrics.update(self.contexts[node.id].metrics)
                 rows += len(batch)
+            self.gate.call("step_done", step)  # first: the next step's credits wait for it
             self.report(step, self.rank, metrics)
-            _ray_get(self.gate.step_done.remote(step))
         return rows
 
     # -- the pieces (also what the single-controller variant calls) ----------------------------
@@ -180,7 +202,7 @@ class DagWorker:
     def report(self, step: int, rank: int, metrics: dict[str, float]) -> None:
         """Rank 0 keeps every rank's metrics of ``step``; other ranks forward theirs to it."""
         if self.rank0 is not None:
-            _ray_get(self.rank0.report.remote(step, rank, metrics))
+            self.rank0.call("report", step, rank, metrics)
             return
         with self._lock:
             self._reports.setdefault(step, []).append(metrics)
@@ -195,18 +217,40 @@ class DagWorker:
                 out[step]["ranks"] = float(len(parts))
             return out
 
-    def warm_up(self, partition_base: int) -> None:
-        """Send one tiny row per node of this chain through its shard read, in a partition of its own
-        that no step reads, so the queue's one-time costs (its controllers load the shard balancer)
-        are paid before a timed run."""
+    def warm_up(self, base: int, units: int) -> None:
+        """Pay this worker's one-time data-path costs before a timed run, in rows no step reads:
+        the connections to the gate, to rank 0 and to each of the queue's ``units`` storage units,
+        this process's shared-memory outbox (a put of one big row to every unit, then cleared),
+        and per consuming node a shard read of a partition of its own (its controller loads the
+        shard balancer; this process maps the units' arenas). ``base``: the group's first warm-up
+        row and partition id, the same on every rank (rank 0 writes what all ranks read)."""
+        self.gate.call("stats")
+        if self.rank0 is not None:
+            self.rank0.call("phases")
+        rows = [base + 500_000 + 1000 * self.rank + u for u in range(units)]
+        self.queue.put(rows, {"warm_up": _zeros(len(rows))})
+        self.queue.clear(rows)
         for k, node in enumerate(self.nodes):
             if node.type == "generate":
                 continue
-            pid = partition_base + k
-            self.queue.put(
-                [pid], {c: [0] for c in node.reads}, [RowMeta(pid, pid, 0, 1, 1, pid)], partition=Partition(pid, 1)
+            pid, first = base + k, base + 1000 * (k + 1)
+            if self.rank == 0:
+                indices = [first + j for j in range(node.parallel)]
+                meta = [RowMeta(i, i, 0, 1, 1, pid) for i in indices]
+                columns = {c: _zeros(len(indices)) for c in node.reads}
+                self.queue.put(indices, columns, meta, partition=Partition(pid, len(indices)))
+            shard = Shard(self.rank, node.parallel)
+            self.queue.get(
+                node.id, node.reads, node.parallel, partition=pid, shard=shard, timeout=self.settings.timeout_s
             )
-            self.queue.get(node.id, node.reads, 1, partition=pid, shard=Shard(0, 1), timeout=self.settings.timeout_s)
+
+    def round_trip(self, payload: Any) -> Any:
+        """``payload`` back: the single-controller variant's warm-up of Ray's by-value path."""
+        return payload
+
+    def close_transport(self) -> None:
+        if self._server is not None:
+            self._server.close()
 
     def cursor(self) -> dict[str, int] | None:
         """The data-loader cursor of a generate worker (one per shard)."""
@@ -216,10 +260,12 @@ class DagWorker:
         return list(self.trained)
 
 
-def _ray_get(ref: Any) -> Any:
-    import ray
+def _zeros(rows: int) -> Any:
+    """``rows`` rows of ``WARM_ROW_BYTES`` zeros each, packed."""
+    from sluice.queue.packed import PackedColumn, offsets_of
 
-    return ray.get(ref)
+    per_row = WARM_ROW_BYTES // 4
+    return PackedColumn(np.zeros(rows * per_row, dtype=np.int32), offsets_of([per_row] * rows), "list")
 
 
 def sorted_batch(batch: Batch) -> Batch:
