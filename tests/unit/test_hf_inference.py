@@ -82,6 +82,36 @@ def test_continuous_batching_equals_one_at_a_time(model: LlamaForCausalLM) -> No
     assert stats["generated_tokens"] == sum(len(c.token_ids) for c in batched)
 
 
+def test_drive_time_counts_the_other_work_of_the_engines_thread(model: LlamaForCausalLM) -> None:
+    """``drive_s`` is the wall time of driven iterations, including other coroutines that run on
+    the thread between steps (rewards, queue writes): the effective iteration time the planner's
+    calibration reads. A busy neighbour coroutine adds its time; an idle engine adds none."""
+    requests = _mixed_requests()
+
+    async def run(busy_s: float) -> dict[str, float]:
+        engine = HFInferenceEngine(model, max_batch=3)
+        done = asyncio.Event()
+
+        async def neighbour() -> None:  # blocks the thread for busy_s between the engine's steps
+            while not done.is_set():
+                t = asyncio.get_running_loop().time()
+                while asyncio.get_running_loop().time() - t < busy_s:
+                    pass
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(neighbour())
+        await asyncio.gather(*(engine.generate(r) for r in requests))
+        done.set()
+        await task
+        await asyncio.sleep(0.05)  # idle: no steps, no drive time
+        return engine.stats()
+
+    quiet, loaded = asyncio.run(run(0.0)), asyncio.run(run(0.01))
+    assert quiet["steps"] == loaded["steps"] > 0
+    assert 0 < quiet["drive_s"] < loaded["drive_s"]
+    assert loaded["drive_s"] >= 0.01 * loaded["steps"] * 0.9
+
+
 def _teacher_forced(model: LlamaForCausalLM, c: Completion, temperature: float) -> torch.Tensor:
     ids = torch.tensor([c.prompt_ids + c.token_ids])
     with torch.no_grad():

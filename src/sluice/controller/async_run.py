@@ -29,6 +29,9 @@ ENGINE_SYNC_STATS = (
     "weight_updates_superseded",
     "weight_drain_s",
     "reprefill_tokens",
+    "steps",
+    "generated_tokens",
+    "drive_s",
     "proxy_routed",
     "proxy_rerouted",
 )

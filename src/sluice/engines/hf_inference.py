@@ -101,6 +101,7 @@ class HFInferenceEngine:
         self._staged: _Staged | None = None
         self._host: dict[str, Tensor] = {}  # reusable staging buffers (pinned on CUDA)
         self._drain_s = 0.0
+        self._drive_s = 0.0
         self._activated_at = time.time()
         counters = ("generated_tokens", "prefill_tokens", "reprefill_tokens", "steps", "weight_updates")
         self._counts = dict.fromkeys((*counters, "weight_updates_superseded"), 0)
@@ -160,14 +161,18 @@ class HFInferenceEngine:
     def stats(self) -> dict[str, float]:
         """Counters plus weight-sync state: ``version``, ``pending_version`` (-1: none staged),
         ``weight_updates`` (loads), ``weight_updates_superseded`` (staged ones replaced by newer),
-        ``weight_drain_s`` (cumulative seconds admission stood still for a staged update) and
-        ``version_activated_at`` (``time.time()`` when the current version became active)."""
+        ``weight_drain_s`` (cumulative seconds admission stood still for a staged update),
+        ``drive_s`` (wall seconds of driven iterations: a step plus whatever else the event loop's
+        thread ran before the next one, so ``drive_s / steps`` is the engine's effective
+        iteration time in its process) and ``version_activated_at`` (``time.time()`` when the
+        current version became active)."""
         running = len(self._rows.seqs) if self._rows is not None else 0
         pending = self._staged.version if self._staged is not None else -1
         counts = {"running": running, "waiting": len(self._waiting), **self._counts, "version": self.version}
         extra = {
             "pending_version": pending,
             "weight_drain_s": self._drain_s,
+            "drive_s": self._drive_s,
             "version_activated_at": self._activated_at,
         }
         return {name: float(value) for name, value in {**counts, **extra}.items()}
@@ -351,8 +356,10 @@ class HFInferenceEngine:
                     wake.clear()
                     await wake.wait()
                     continue
+                start = time.perf_counter()
                 self.step()
                 await asyncio.sleep(0)
+                self._drive_s += time.perf_counter() - start
         except Exception as exc:  # a failed step fails every pending request instead of hanging it
             logger.exception("inference step failed; failing %d pending requests", len(self._by_id))
             seqs, self._by_id, self._rows = list(self._by_id.values()), {}, None
