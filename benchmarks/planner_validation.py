@@ -11,9 +11,10 @@ measurement). Three phases, each writing into one JSON file:
    step times from ``metrics.jsonl``, the load average and the CPU the rest of the machine used
    (all CPU time minus this run's process tree), sampled every half second;
 3. ``predict``: calibrate on the FIRST configuration only (the trainer's cost per token from its
-   step metrics; one scale factor on the profiled engine so the simulated step matches its
-   measured one), simulate every configuration with ``sim.simulate``, print the table of
-   predicted vs measured.
+   step metrics; one scale factor on the profiled engine: the engine's effective iteration time
+   in the real rollout process, ``drive_s / steps`` of its stats, over the profile at the same
+   running batch), simulate every configuration with ``sim.simulate``, print the table of
+   predicted vs measured (the calibration configuration's own row is a check, not a fit).
 
 Replicas on this machine share the rollout worker's thread (docs/rollout.md), so r replicas are
 simulated as r engines each 1/r as fast.
@@ -171,12 +172,14 @@ def run_once(overrides: list[str], steps: int, skip: int, workdir: Path) -> dict
         raise RuntimeError(f"sluice train {' '.join(args)} failed:\n{output[-3000:]}")
     records = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
+    weights = next(r for r in records if r.get("kind") == "weights")
     ends = [r["elapsed_s"] for r in train]
     step_s = (ends[-1] - ends[skip - 1]) / (len(ends) - skip)
     return {
         "step_s": step_s,
         "step_ends": ends,
         "train": [{k: r[k] for k in ("step_s", "wait_data_s", "tokens", "samples")} for r in train],
+        "engine": {k: weights[f"engine_{k}"] for k in ("steps", "generated_tokens", "drive_s")},
         **{f"{k}_mean": statistics.mean(v) if v else float("nan") for k, v in samples.items()},
     }
 
@@ -226,32 +229,33 @@ def sim_config(config: dict[str, Any], engine: SimEngineConfig, trainer: Trainer
 
 
 def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConfig, TrainerCost, dict[str, float]]:
-    """Trainer from the first configuration's step metrics; engine scale from its step time."""
+    """Each stage's cost from its own measurements in the FIRST configuration's runs, never by
+    fitting the step time (a stage that is not the bottleneck leaves the step time unchanged, so
+    a fit could not tell its cost): the trainer's seconds per token, and the engine's effective
+    iteration time in the rollout process against the profile at the same running batch."""
     lengths, prof = data["lengths"], data["profile"]
     first = data["measured"][0]
     steps = [s for run in first["runs"] for s in run["train"][spec["skip"] :]]
-    # Seconds per trained token: the median over the calibration steps of compute time (the
-    # step minus its wait for data) over tokens. One configuration's steps vary too little in
-    # tokens to separate a fixed cost from the slope, so the model is proportional.
-    per_token = statistics.median(
+    # Seconds per trained token: the trainer's busy time (the step minus its wait for data) over
+    # tokens, as a mean, because the step time it must reproduce is a mean. One configuration's
+    # steps vary too little in tokens to separate a fixed cost from the slope: proportional.
+    per_token = statistics.mean(
         (s["step_s"] - s["wait_data_s"]) / (s["tokens"] + s["samples"] * lengths["prompt_len"]) for s in steps
     )
     trainer = TrainerCost(token_s=per_token, micro_batch_tokens=10**9)
+    # The engine: wall seconds per driven iteration (the rollout thread's rewards and queue writes
+    # included) over the profile's fit at the run's mean running batch.
+    engines = [run["engine"] for run in first["runs"]]
+    iteration_s = sum(e["drive_s"] for e in engines) / sum(e["steps"] for e in engines)
+    batch = sum(e["generated_tokens"] for e in engines) / sum(e["steps"] for e in engines)
+    scale = iteration_s / (prof["decode_s"] * max(1.0, batch / prof["knee"]))
+    d = prof["decode_s"] * scale
     model = LengthModel(lengths["median"], lengths["sigma"], 0.05)
-
-    def engine(scale: float) -> SimEngineConfig:
-        d = prof["decode_s"] * scale
-        return SimEngineConfig(decode_s=d, knee=max(1, round(prof["knee"])), max_running=512,
-                               prefill_s_per_token=d / prof["knee"], load_s=0.01, lengths=model)  # fmt: skip
-
-    target = first["measured_s"]
-    lo, hi = 0.05, 50.0
-    for _ in range(9):  # bisection on a log scale (to 1.5 %): the simulated step grows with the engine's cost
-        mid = math.sqrt(lo * hi)
-        got = simulate(sim_config(spec["configs"][0], engine(mid), trainer, spec, lengths)).step_s
-        lo, hi = (mid, hi) if got < target else (lo, mid)
-    scale = math.sqrt(lo * hi)
-    return engine(scale), trainer, {"engine_scale": scale, "train_token_s": trainer.token_s}
+    engine = SimEngineConfig(decode_s=d, knee=max(1, round(prof["knee"])), max_running=512,
+                             prefill_s_per_token=d / prof["knee"], load_s=0.01, lengths=model)  # fmt: skip
+    calib = {"engine_scale": scale, "engine_iteration_s": iteration_s, "engine_mean_batch": batch,
+             "train_token_s": per_token}  # fmt: skip
+    return engine, trainer, calib
 
 
 def predict(data: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
