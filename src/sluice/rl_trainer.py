@@ -51,6 +51,7 @@ from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
 from sluice.telemetry.trace import trace_numbers
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.reference import frozen_engine
 from sluice.trainer.updates import UpdateSchedule
 
@@ -74,8 +75,6 @@ class RLTrainer:
     """One RL run: ``RLTrainer(config).fit()``; or call the verbs one by one."""
 
     def __init__(self, config: SluiceConfig, *, reward: RewardFn | None = None) -> None:
-        if config.trainer.algorithm == "ppo" and config.run.mode != "sync":
-            raise ConfigError("trainer.algorithm: 'ppo' (with a critic) runs in run.mode=sync only for now")
         if config.task.name not in TASKS:
             raise ConfigError(f"task.name: unknown task {config.task.name!r} (built-in: {', '.join(TASKS)})")
         self.config = config
@@ -138,10 +137,16 @@ class RLTrainer:
             kl_in=cfg.trainer.kl_in,
             entropy_coef=cfg.trainer.entropy_coef,
         )
+        t = cfg.trainer
+        self.critic_spec: CriticSpec | None = None
+        """PPO's critic (``mode: async`` builds it in the trainer and the critic-values worker)."""
+        if t.algorithm == "ppo":
+            self.critic_spec = CriticSpec(
+                t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda
+            )
         self.critic: CriticEngine | None = None
-        if in_process and train and cfg.trainer.algorithm == "ppo":
-            t = cfg.trainer
-            self.critic = CriticEngine(self.model_dir, t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens)
+        if in_process and train and self.critic_spec is not None:
+            self.critic = self.critic_spec.engine(self.model_dir)
         if in_process and train and self.algorithm.uses_reference:
             self.reference_engine = frozen_engine(self.model_dir, self.train_engine_kwargs)
         self.update_schedule = UpdateSchedule(

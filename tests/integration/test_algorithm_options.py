@@ -1,6 +1,7 @@
 """Algorithm options end to end on the tiny task model: PPO mini-batches with recomputed proximal
 log-probs, a KL to the reference policy (the reference step as a queue task) and an entropy
-bonus, in sync mode and on the asynchronous pipeline; LoRA; PPO with a critic."""
+bonus, in sync mode and on the asynchronous pipeline; LoRA; PPO with a critic in sync mode and on
+the asynchronous pipeline (equal to sync at η = 0)."""
 
 import json
 
@@ -60,11 +61,38 @@ def test_lora_run_syncs_merged_weights_to_the_engine(tiny_task_model, tmp_path):
     assert torch.equal(final["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not adapted
 
 
+PPO = ["trainer.algorithm=ppo", "trainer.ppo_mini_batches=2", "trainer.critic_lr=1e-2"]
+PPO_KEYS = ("step", "loss", "grad_norm", "value_loss", "value_mean", "return_mean", "value_clipped_tokens",
+            "reward_mean", "trained_tokens", "kl_ref_sum")  # fmt: skip
+
+
 def test_ppo_with_a_critic_trains_in_sync_mode(tiny_task_model, tmp_path):
-    overrides = ["trainer.algorithm=ppo", "trainer.ppo_mini_batches=2", "trainer.critic_lr=1e-2", "run.mode=sync"]
-    records = _train_records(tiny_task_model, tmp_path, "ppo", *overrides)
+    records = _train_records(tiny_task_model, tmp_path, "ppo", *PPO, "run.mode=sync")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["value_tokens"] > 0 and r["value_loss"] > 0 and r["optimizer_steps"] == 2 for r in records)
     assert records[0]["value_mean"] == 0.0 and records[-1]["value_mean"] != 0.0  # the critic learns
-    with pytest.raises(ConfigError, match=r"run\.mode=sync"):
-        RLTrainer(load_config(None, ["trainer.algorithm=ppo", "run.mode=async"]))
+
+
+@pytest.mark.parametrize(("backend", "kl_coef"), [("local", 0.0), ("ray", 0.0), ("local", 0.05)])
+def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, tmp_path, backend, kl_coef, request):
+    """The critic's values as a queue task (own worker, the critic the trainer publishes) and the
+    critic's update in the trainer's step: at η = 0 the same losses, gradient norms, values and
+    returns as the synchronous loop, bit for bit. Stale critic weights in the values worker (a
+    missed publish) or values from a differently batched critic would change ``value_mean`` /
+    ``return_mean`` and the losses from step 2 on. With the KL's reference task beside it the
+    reference worker batches rows as they come, which moves the KL in the last digits: equal to
+    float rounding."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    ppo = [*PPO, f"trainer.kl_coef={kl_coef}"]
+    sync = _train_records(tiny_task_model, tmp_path, "ppo-sync", *ppo, "run.mode=sync")
+    where = ["run.mode=async", f"run.backend={backend}", "rollout.max_staleness=0"]
+    streamed = _train_records(tiny_task_model, tmp_path, f"ppo-{backend}", *ppo, *where)
+    got, want = ([[r.get(k) for k in PPO_KEYS] for r in records] for records in (streamed, sync))
+    if kl_coef:
+        assert [pytest.approx(row, rel=1e-6) for row in got] == want
+    else:
+        assert got == want
+    assert streamed[-1]["value_mean"] != 0.0 and all(r["staleness_max"] == 0 for r in streamed)
+    with pytest.raises(ConfigError, match="does not train a critic yet"):
+        load_config(None, [*PPO, "run.mode=async", "run.backend=ray", "trainer.data_parallel=2"])

@@ -168,8 +168,14 @@ def test_async_queue_tasks_come_from_the_dag_and_match_the_algorithms():
     from sluice.queue.samples import train_columns
 
     for name, with_reference in (("grpo", False), ("grpo_kl", True)):
-        tasks = async_queue_tasks(compile_dag(load_dag(name)), "train", "reference")
+        tasks = async_queue_tasks(compile_dag(load_dag(name)), "train", "reference", "critic")
         want = {"train": train_columns(with_reference)}
         if with_reference:
             want["reference"] = tuple(SAMPLE)
         assert tasks == want
+    # PPO: the critic's values are a task of their own (whatever the pool), the trainer reads them
+    for name, with_reference in (("ppo", False), ("ppo_kl", True)):
+        tasks = async_queue_tasks(compile_dag(load_dag(name)), "train", "reference", "critic")
+        assert tasks.pop("critic") == tuple(SAMPLE)
+        assert tasks.pop("reference", None) == (tuple(SAMPLE) if with_reference else None)
+        assert set(tasks.pop("train")) == {*train_columns(with_reference), "values"} and not tasks

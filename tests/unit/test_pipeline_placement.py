@@ -1,11 +1,23 @@
-"""Placement of the Ray pipeline's actors: every actor must fit the cluster at once."""
+"""Placement of the pipeline's workers: every Ray actor must fit the cluster at once; the queue
+tasks each worker serves; a failed column-task worker stops the run instead of hanging it."""
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from fakes import FakeAlgorithm, length_reward
 from sluice.api import SamplingParams
-from sluice.controller.pipelines import PipelineSpec, actor_cpu_share
+from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline, actor_cpu_share, queue_tasks
+from sluice.queue import LocalQueue
+from sluice.queue.samples import SAMPLE_COLUMNS
+from sluice.trainer.column_task import ColumnTaskWorker
+from sluice.trainer.critic_task import CRITIC_TASK
+from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec
+from sluice.trainer.worker import TRAIN_TASK
 
 
 def _spec(**kw) -> PipelineSpec:
@@ -25,3 +37,38 @@ def test_actors_share_cpus_so_trainer_ranks_and_reference_are_placed_together():
     with_reference = FakeAlgorithm()
     with_reference.uses_reference = True  # the trainer waits on the reference worker's column
     assert actor_cpu_share(2.0, _spec(algorithm=with_reference)) * 3 <= 2.0
+
+
+def test_the_critic_values_task_gets_a_worker_and_the_trainer_reads_its_column():
+    critic = _spec(critic=CriticSpec(lr=1e-3))
+    assert actor_cpu_share(2.0, critic) * 3 <= 2.0  # rollout, trainer and the critic-values worker
+    tasks = queue_tasks(critic)
+    assert tasks[CRITIC_TASK] == SAMPLE_COLUMNS and tasks[TRAIN_TASK] == (*SAMPLE_COLUMNS, VALUES_COLUMN)
+    assert CRITIC_TASK not in queue_tasks(_spec())
+
+
+def test_a_failed_column_task_stops_the_run_instead_of_leaving_the_trainer_waiting():
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        failed, finished = loop.create_future(), loop.create_future()
+        failed.set_exception(ValueError("critic worker broke"))
+        finished.set_result(0)
+        with pytest.raises(ValueError, match="critic worker broke"):
+            await RayPipeline._unless_a_task_stopped(SimpleNamespace(_served=[failed]), loop.create_future())
+        with pytest.raises(RuntimeError, match="stopped while the trainer waited"):
+            await RayPipeline._unless_a_task_stopped(SimpleNamespace(_served=[finished]), loop.create_future())
+        serving = SimpleNamespace(_served=[loop.create_future()])
+        await RayPipeline._unless_a_task_stopped(serving, asyncio.sleep(0))  # the work ends first: fine
+
+    asyncio.run(scenario())
+
+    class Broken(ColumnTaskWorker):
+        task, output = CRITIC_TASK, VALUES_COLUMN
+
+        def serve(self) -> int:
+            raise ValueError("no critic")
+
+    local = SimpleNamespace(_column_tasks=ThreadPoolExecutor(1), queue=LocalQueue(), _served=[])
+    LocalPipeline._serve(local, Broken(local.queue, 1))  # type: ignore[arg-type]
+    local._column_tasks.shutdown(wait=True)
+    assert local.queue._closed and isinstance(local._served[0].exception(), ValueError)

@@ -1,9 +1,12 @@
 """PPO with a critic: per-token rewards, GAE targets and whitening, the clipped value loss and the
-value head, against plain-Python references; one whole step on tiny models."""
+value head, against plain-Python references; one whole step on tiny models; the critic-values
+queue task (values independent of batching, never from a critic older than the row)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import threading
 
 import pytest
 import torch
@@ -11,9 +14,21 @@ import torch
 from sluice.api import Sample
 from sluice.engines.critic import CriticEngine, clipped_value_loss
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.queue import LocalQueue
+from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.ppo import gae_targets, ppo_critic_step, token_rewards, whiten
+from sluice.trainer.critic_task import CRITIC_TASK, CriticValuesWorker
+from sluice.trainer.ppo import (
+    VALUES_COLUMN,
+    CriticSpec,
+    gae_targets,
+    ppo_critic_step,
+    token_rewards,
+    whiten,
+)
 from sluice.trainer.updates import UpdateSchedule
+from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
+from sluice.weights import InProcessWeightSync
 from tiny import VOCAB, tiny_llama
 
 torch.set_num_threads(1)
@@ -116,3 +131,95 @@ def test_ppo_critic_step_updates_actor_and_critic(model_dir):
     assert metrics["value_mean"] == 0.0 and metrics["return_mean"] > 0 and metrics["value_loss"] > 0
     assert any(not torch.equal(before[k], v) for k, v in actor.export_weights().items())
     assert any(v != 0.0 for row in critic.values(samples) for v in row)  # the critic moved towards the returns
+
+
+def test_values_do_not_depend_on_which_groups_share_the_call(model_dir):
+    critic = CriticEngine(model_dir, lr=1e-2, token_budget=40)
+    torch.nn.init.normal_(critic.model.head.weight, std=0.1)
+    groups = [[_sample(f"{g}-{k}", 1.0, 2 + (g * 3 + k * 5) % 7, seed=g * 10 + k) for k in range(3)] for g in range(3)]
+    groups = [[dataclasses.replace(s, group_id=g) for s in group] for g, group in enumerate(groups)]
+    together = critic.values([s for group in groups for s in group])
+    apart = [row for group in groups for row in critic.values(group)]
+    assert together == apart  # bit for bit: the critic-values task sees groups as they arrive
+
+
+def _versioned(group_id: int, version: int, n_samples: int = 2) -> list[Sample]:
+    out = []
+    for k in range(n_samples):
+        s = _sample(f"{group_id}-{k}", float(k), 3 + k + group_id, seed=10 * group_id + k)
+        out.append(dataclasses.replace(s, group_id=group_id, token_versions=(version,) * len(s.response_ids)))
+    return out
+
+
+def test_critic_values_task_values_each_row_with_a_critic_no_older_than_its_version(model_dir):
+    spec = CriticSpec(lr=1e-2, token_budget=64)
+    published = spec.engine(model_dir)  # the trainer's critic after one update
+    torch.nn.init.normal_(published.model.head.weight, std=0.1)
+    sync = InProcessWeightSync()
+    queue = LocalQueue()
+    queue.register_task(TRAIN_TASK, (*SAMPLE_COLUMNS, VALUES_COLUMN))
+    queue.register_task(CRITIC_TASK, CriticValuesWorker.inputs)
+    worker = CriticValuesWorker(model_dir, queue, spec, sync, batch_rows=8)
+    thread = threading.Thread(target=worker.serve)
+    thread.start()
+    try:
+        old = _versioned(0, version=0)
+        queue.put(*samples_to_rows(old, 2))  # version 0: the critic every build starts from
+        batch = queue.get(TRAIN_TASK, (*SAMPLE_COLUMNS, VALUES_COLUMN), 2, timeout=30)
+        assert batch.columns[VALUES_COLUMN] == [[0.0] * len(s.response_ids) for s in old]  # zero head
+        new = _versioned(1, version=1)
+        queue.put(*samples_to_rows(new, 2))
+        assert len(queue.get(TRAIN_TASK, (*SAMPLE_COLUMNS, VALUES_COLUMN), 2, timeout=0.3)) == 0  # waits for v1
+        sync.publish(published.export_weights(), 1)
+        batch = queue.get(TRAIN_TASK, (*SAMPLE_COLUMNS, VALUES_COLUMN), 2, timeout=30)
+        order = sorted(range(len(batch)), key=lambda k: batch.indices[k])
+        assert [batch.columns[VALUES_COLUMN][k] for k in order] == published.values(new)
+        assert worker.version == 1 and all(not p.requires_grad for p in worker.critic.model.parameters())
+    finally:
+        queue.close()
+        thread.join(timeout=30)
+    assert worker.rows_done == 4
+
+
+def test_critic_values_task_fails_loudly_when_the_critic_never_comes(model_dir):
+    worker = CriticValuesWorker(model_dir, LocalQueue(), CriticSpec(lr=1e-2), InProcessWeightSync(), wait_s=0.05)
+    worker.load_newest(0)  # its own build is version 0
+    with pytest.raises(TimeoutError, match="critic version 3 was not published"):
+        worker.load_newest(3)
+
+
+def test_trainer_worker_trains_actor_and_critic_from_the_values_column_and_checkpoints_both(model_dir, tmp_path):
+    groups = [_versioned(g, version=0, n_samples=3) for g in range(3)]
+    flat = [s for group in groups for s in group]
+    values = [[0.1 * ((i + t) % 5) for t in range(len(s.response_ids))] for i, s in enumerate(flat)]
+    columns = (*SAMPLE_COLUMNS, VALUES_COLUMN)
+    queue = LocalQueue()
+    queue.register_task(TRAIN_TASK, columns)
+    for group in groups:
+        queue.put(*samples_to_rows(group, 3))
+    queue.put(list(range(9)), {VALUES_COLUMN: values})  # what the critic-values task would write
+    algo, schedule, spec = GRPOAlgorithm(estimator="gae"), UpdateSchedule(2, 1, True), CriticSpec(lr=1e-2)
+
+    def worker(path) -> TrainerWorker:
+        return TrainerWorker(path, queue, algo, InProcessWeightSync(), group_size=3, micro_batch_tokens=64,
+                             engine_kwargs={"lr": 1e-2}, schedule=schedule, critic=spec,
+                             critic_sync=InProcessWeightSync())  # fmt: skip
+
+    trainer = worker(model_dir)
+    trainer.begin_step()
+    trainer.add_groups([0, 1])
+    trainer.add_groups([2])
+    metrics = trainer.finish_step()
+
+    actor, critic = HFTrainEngine(tiny_llama(0), lr=1e-2), spec.engine(model_dir)
+    want = ppo_critic_step(actor, critic, flat, algo, 64, schedule, 1.0, values=values)
+    assert metrics["loss"] == want["loss"] and metrics["value_loss"] == want["value_loss"] > 0
+    assert metrics["value_mean"] == want["value_mean"] != 0.0  # the column's values, not a fresh critic's
+    published = trainer.critic_sync.fetch(1)  # type: ignore[union-attr]
+    assert all(torch.equal(published[k], v) for k, v in critic.export_weights().items())
+
+    trainer.save_state(str(tmp_path / "ckpt"))
+    resumed = worker(model_dir)
+    assert resumed.load_state(str(tmp_path / "ckpt")) == 1
+    assert all(torch.equal(published[k], v) for k, v in resumed.critic.export_weights().items())  # type: ignore[union-attr]
+    assert resumed.critic_sync.latest_version() == 1  # type: ignore[union-attr]  # republished for the values task

@@ -21,6 +21,7 @@ from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
+from sluice.trainer.critic_task import CRITIC_TASK
 from sluice.trainer.reference import REF_TASK
 from sluice.trainer.worker import TRAIN_TASK
 
@@ -64,8 +65,9 @@ def pipeline_spec(trainer: Any) -> PipelineSpec:
         engine=cfg.rollout.engine,
         engine_options=cfg.engine_options(),
         fleet=cfg.fleet,
-        tasks=async_queue_tasks(trainer.dag_plan, TRAIN_TASK, REF_TASK),
+        tasks=async_queue_tasks(trainer.dag_plan, TRAIN_TASK, REF_TASK, CRITIC_TASK),
         agentic=env_rollout_spec(cfg.agentic, trainer.task.env, trainer.max_new_tokens),
+        critic=trainer.critic_spec,
     )
 
 

@@ -2,6 +2,8 @@
 
 Both build the same three parts — a TransferQueue, one ``RolloutWorker``, one ``TrainerWorker`` —
 plus a weight sync, and expose them through the ``AsyncPipeline`` verbs the controller drives.
+Queue tasks after generation get a worker of their own: the reference log-probs (KL term) and,
+for PPO, the critic's values (with a second weight sync carrying the critic the trainer updates).
 ``local`` runs the rollout worker on the event loop and the trainer in a worker thread (torch
 releases the GIL in its kernels, so they overlap); ``ray`` gives each role its own actor and
 process. Nothing here decides what to run when.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,9 @@ from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
+from sluice.trainer.column_task import ColumnTaskWorker
+from sluice.trainer.critic_task import CRITIC_TASK, CriticValuesWorker
+from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec
 from sluice.trainer.reference import REF_INPUT_COLUMNS, REF_TASK, ReferenceWorker
 from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
@@ -67,6 +72,8 @@ class PipelineSpec:
     """The queue's tasks and their input columns, compiled from the run's DAG (``None``: from the algorithm)."""
     agentic: EnvRolloutSpec | None = None
     """Multi-turn episodes of an environment instead of single-turn groups (``rollout/agentic.py``)."""
+    critic: CriticSpec | None = None
+    """PPO's critic: a critic-values worker serves the ``critic`` task, the trainer updates it."""
 
 
 class _Pipeline:
@@ -101,12 +108,23 @@ class LocalPipeline(_Pipeline):
         for task, columns in queue_tasks(spec).items():
             self.queue.register_task(task, columns)
         self.weight_sync = InProcessWeightSync()
+        critic_sync = InProcessWeightSync() if spec.critic is not None else None
         self.rollout_worker = RolloutWorker(**_rollout_kwargs(spec, AsyncLocalQueue(self.queue)))
-        self.trainer = TrainerWorker(**_trainer_kwargs(spec, self.queue, self.weight_sync))
+        self.trainer = TrainerWorker(**_trainer_kwargs(spec, self.queue, self.weight_sync, critic_sync))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-trainer")
-        self._reference = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-reference")
-        if spec.algorithm.uses_reference:  # serves the reference task until the queue closes
-            self._reference.submit(ReferenceWorker(spec.model_dir, self.queue, spec.engine_kwargs).serve)
+        self._column_tasks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-column-task")
+        self._served: list[Future[int]] = []
+        """Each serves its queue task until the queue closes (``close`` raises what one raised)."""
+        if spec.algorithm.uses_reference:
+            self._serve(ReferenceWorker(spec.model_dir, self.queue, spec.engine_kwargs))
+        if spec.critic is not None and critic_sync is not None:
+            self._serve(CriticValuesWorker(spec.model_dir, self.queue, spec.critic, critic_sync))
+
+    def _serve(self, worker: ColumnTaskWorker) -> None:
+        served = self._column_tasks.submit(worker.serve)
+        # a failed task would leave the trainer waiting for its column: close the queue instead
+        served.add_done_callback(lambda done: done.exception() is not None and self.queue.close())
+        self._served.append(served)
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         async for report in self.rollout_worker.run_groups(groups):
@@ -159,7 +177,9 @@ class LocalPipeline(_Pipeline):
         self.queue.close()
         self.rollout_worker.close()
         self._thread.shutdown(wait=True)
-        self._reference.shutdown(wait=True)
+        self._column_tasks.shutdown(wait=True)
+        for served in self._served:
+            served.result()  # re-raises a column task's failure
 
     async def _in_trainer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -186,7 +206,12 @@ class RayPipeline(_Pipeline):
         rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over, share))
         self.rollout_actor = rollout_cls.remote(**_rollout_kwargs(spec, self.queue.as_async()))
         trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over, share))
-        kwargs = _trainer_kwargs(spec, self.queue, self.weight_sync)
+        self.critic_sync = None  # held here: the registry actor lives as long as this handle
+        if spec.critic is not None:
+            from sluice.weights import ObjectStoreWeightSync
+
+            self.critic_sync = ObjectStoreWeightSync(name=f"sluice-critic-{os.getpid()}-{id(self)}")
+        kwargs = _trainer_kwargs(spec, self.queue, self.weight_sync, self.critic_sync)
         self.trainer_actors = [trainer_cls.remote(**kwargs) for _ in range(spec.data_parallel)]
         self.trainer_actor = self.trainer_actors[0]  # rank 0: publishes weights, saves
         if spec.data_parallel > 1:
@@ -199,10 +224,17 @@ class RayPipeline(_Pipeline):
         self._step_groups = 0
         """Groups handed to the ranks this step: the next group's position in the step."""
         self.reference_actor = None
+        self._served: list[Any] = []
+        """``serve`` calls of the column-task actors: they return only when the queue shuts down."""
         if spec.algorithm.uses_reference:
             reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True, share))
             self.reference_actor = reference_cls.remote(spec.model_dir, self.queue, spec.engine_kwargs)
-            self.reference_actor.serve.remote()  # runs until the queue shuts down
+            self._served.append(self.reference_actor.serve.remote())
+        self.critic_actor = None
+        if spec.critic is not None:
+            critic_cls: Any = ray.remote(CriticValuesWorker).options(**_actor_options(1, True, share))
+            self.critic_actor = critic_cls.remote(spec.model_dir, self.queue, spec.critic, self.critic_sync)
+            self._served.append(self.critic_actor.serve.remote())
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
@@ -237,7 +269,23 @@ class RayPipeline(_Pipeline):
             for a, gids, where in zip(self.trainer_actors, dealt, positions, strict=True)
             if gids
         ]
-        await asyncio.gather(*calls)
+        await self._unless_a_task_stopped(asyncio.gather(*calls))
+
+    async def _unless_a_task_stopped(self, work: Awaitable[Any]) -> None:
+        """Await ``work``, but raise if a column task stops first: the trainer would wait for its
+        column forever."""
+        running = asyncio.ensure_future(work)
+        served = [asyncio.ensure_future(_awaited(ref)) for ref in self._served]
+        try:
+            await asyncio.wait([running, *served], return_when=asyncio.FIRST_COMPLETED)
+            stopped = next((task for task in served if task.done()), None)
+            if stopped is not None and not running.done():
+                stopped.result()  # its error, if it failed
+                raise RuntimeError("a queue task's worker stopped while the trainer waited for its column")
+            await running
+        finally:
+            for task in served:
+                task.cancel()
 
     async def finish_step(self) -> dict[str, float]:
         """Every rank's optimizer step (they meet in the gradient all-reduce); rank 0 reports."""
@@ -289,10 +337,14 @@ class RayPipeline(_Pipeline):
     def close(self) -> None:
         import ray
 
-        for handle in (self.rollout_actor, *self.trainer_actors, self.reference_actor):
+        for handle in (self.rollout_actor, *self.trainer_actors, self.reference_actor, self.critic_actor):
             if handle is not None:
                 ray.kill(handle)
         self.queue.shutdown()
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
 
 
 async def wait_engine_version(engine_stats: Callable[[], Awaitable[dict[str, float]]], version: int) -> None:
@@ -317,12 +369,16 @@ def weight_syncs(fleet: FleetConfig, name: str) -> tuple[WeightSync, WeightSync]
 
 
 def queue_tasks(spec: PipelineSpec) -> dict[str, tuple[str, ...]]:
-    """The queue's tasks and their input columns: the DAG's, else ``train`` plus ``reference`` for a KL term."""
+    """The queue's tasks and their input columns: the DAG's, else ``train`` plus ``reference`` for a
+    KL term and ``critic`` for PPO's values (which ``train`` then reads)."""
     if spec.tasks is not None:
         return dict(spec.tasks)
-    tasks = {TRAIN_TASK: train_columns(spec.algorithm.uses_reference)}
+    values = (VALUES_COLUMN,) if spec.critic is not None else ()
+    tasks = {TRAIN_TASK: train_columns(spec.algorithm.uses_reference) + values}
     if spec.algorithm.uses_reference:
         tasks[REF_TASK] = REF_INPUT_COLUMNS
+    if spec.critic is not None:
+        tasks[CRITIC_TASK] = CriticValuesWorker.inputs
     return tasks
 
 
@@ -350,7 +406,7 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
     }
 
 
-def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any) -> dict[str, Any]:
+def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync: Any = None) -> dict[str, Any]:
     return {
         "model_dir": spec.model_dir,
         "queue": queue,
@@ -362,12 +418,15 @@ def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any) -> dict[st
         "engine_kwargs": spec.engine_kwargs,
         "threads": spec.trainer_threads,
         "trace": spec.trace,
+        "critic": spec.critic,
+        "critic_sync": critic_sync,
     }
 
 
 def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:
-    """Ray CPUs per actor so that rollout, every trainer rank and the reference fit together."""
-    actors = 1 + spec.data_parallel + int(spec.algorithm.uses_reference)
+    """Ray CPUs per actor so that rollout, every trainer rank, the reference and the critic's
+    values worker fit together."""
+    actors = 1 + spec.data_parallel + int(spec.algorithm.uses_reference) + int(spec.critic is not None)
     return min(1.0, cluster_cpus / actors)
 
 

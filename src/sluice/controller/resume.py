@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from sluice.api import GroupReport, PromptItem
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.checkpoint import (
@@ -47,7 +45,6 @@ from sluice.trainer.rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
-CRITIC_FILE = "critic.pt"
 LOGS = ("metrics.jsonl", "trained_ids.jsonl")
 
 
@@ -111,8 +108,7 @@ def save_sync_checkpoint(trainer: Any, version: int) -> Path:
     tmp = trainer.checkpoints.begin(version)
     trainer.train_engine.save(str(tmp / TRAINER_DIR))
     if trainer.critic is not None:
-        critic = {"model": trainer.critic.model.state_dict(), "optimizer": trainer.critic.optimizer.state_dict()}
-        torch.save(critic, tmp / CRITIC_FILE)
+        trainer.critic.save(tmp)
     counters = {"next_group": trainer._next_group, "trained_groups": trainer._trained_groups}
     state = _driver_state(trainer, version, {**counters, "discards": Counter(trainer.discards)})
     write_driver_state(tmp, state)
@@ -124,9 +120,7 @@ def restore_sync(trainer: Any, state: DriverState) -> EvalResult:
     folder = trainer.resumed_from
     trainer.train_engine.load(str(folder / TRAINER_DIR))
     if trainer.critic is not None:
-        critic = torch.load(folder / CRITIC_FILE, weights_only=True)
-        trainer.critic.model.load_state_dict(critic["model"])
-        trainer.critic.optimizer.load_state_dict(critic["optimizer"])
+        trainer.critic.load(folder)
     counters = state.sync_counters
     trainer._next_group, trainer._trained_groups = counters["next_group"], counters["trained_groups"]
     trainer.discards = Counter(counters["discards"])

@@ -8,16 +8,20 @@ positions the trainer gathers log-probs at. ``CriticEngine.train_step`` minimise
 token, ``½ · max((V − R)², (V_old + clip(V − V_old, −ε, ε) − R)²)`` averaged over the step's
 loss tokens (PPO's value clipping keeps the critic near the values the advantages were
 computed with), in length-sorted padded chunks of at most ``token_budget`` positions (as the
-actor's ``padded`` layout) with one AdamW step.
+actor's ``padded`` layout) with one AdamW step. ``values`` runs each prompt group on its own,
+so a sample's values do not depend on which other groups share the call: the critic-values
+queue task (``trainer/critic_task.py``) sees rows as they arrive and must give the values a
+whole-batch call gives. ``export_weights`` / ``load_weights`` carry the critic from the
+trainer, which updates it, to that task's worker.
 
 Deliberately not here: returns and advantages (``trainer/algos/gae.py``, ``trainer/ppo.py``),
-sharing the actor's trunk, and saving the critic.
+sharing the actor's trunk.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -26,6 +30,9 @@ from sluice.api.types import Sample
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import length_buckets
 from sluice.trainer.microbatch import pad_batch
+
+CRITIC_FILE = "critic.pt"
+"""The critic's weights and optimizer state inside a checkpoint folder."""
 
 
 class ValueModel(torch.nn.Module):
@@ -61,15 +68,38 @@ class CriticEngine:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
 
     def values(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """``[samples][response tokens]``: the value of the state before each response token."""
+        """``[samples][response tokens]``: the value of the state before each response token,
+        computed group by group (the same numbers however the groups are batched together)."""
         out: list[list[float]] = [[] for _ in samples]
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.group_id, []).append(i)
         self.model.eval()
         with torch.no_grad():
-            for part in length_buckets(samples, self.token_budget):
-                flat, lengths = self._forward([samples[i] for i in part])
-                for i, row in zip(part, torch.split(flat, lengths), strict=True):
-                    out[i] = row.tolist()
+            for members in groups.values():
+                for part in length_buckets([samples[i] for i in members], self.token_budget):
+                    flat, lengths = self._forward([samples[members[j]] for j in part])
+                    for j, row in zip(part, torch.split(flat, lengths), strict=True):
+                        out[members[j]] = row.tolist()
         return out
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the value model's weights (trunk and head)."""
+        return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``weights`` (``export_weights`` of another critic) into this one."""
+        self.model.load_state_dict(dict(weights))
+
+    def save(self, path: str | Path) -> None:
+        """Weights and optimizer state into ``path/CRITIC_FILE``."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        torch.save(state, Path(path) / CRITIC_FILE)
+
+    def load(self, path: str | Path) -> None:
+        state = torch.load(Path(path) / CRITIC_FILE, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def train_step(
         self, samples: Sequence[Sample], returns: Sequence[Sequence[float]], old_values: Sequence[Sequence[float]]

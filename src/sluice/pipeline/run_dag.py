@@ -4,8 +4,9 @@
 ``ppo``, ``ppo_kl``). A DAG must agree with the trainer's config — a critic node exactly when
 ``trainer.algorithm: ppo``, a reference node exactly when ``trainer.kl_coef > 0`` — and with the
 placement: ``run.mode: sync`` runs any DAG (one colocated chain, ``chain.py``), ``run.mode:
-async`` the nodes its workers serve (rollout, reference, advantages + update in the trainer), and
-takes its TransferQueue tasks from the DAG. Errors are ``ConfigError`` s naming ``run.dag``.
+async`` the nodes its workers serve (rollout; the reference and the critic's values, each in a
+worker of its own; advantages, GAE and the actor and critic updates in the trainer), and takes
+its TransferQueue tasks from the DAG. Errors are ``ConfigError`` s naming ``run.dag``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from sluice.config import ConfigError
 from sluice.pipeline.planner import Plan, compile_dag
 from sluice.pipeline.spec import DagError, load_dag
 
-ASYNC_FUNCTIONS = frozenset({"rollout", "reference_logprobs", "group_advantages", "actor_update"})
-"""Node functions the asynchronous pipeline's workers serve (rollout, reference, trainer)."""
 CRITIC_FUNCTIONS = frozenset({"critic_values", "gae_advantages", "critic_update"})
+ASYNC_FUNCTIONS = frozenset({"rollout", "reference_logprobs", "group_advantages", "actor_update"}) | CRITIC_FUNCTIONS
+"""Node functions the asynchronous pipeline's workers serve (rollout, reference, critic values, trainer)."""
 
 
 def default_dag(cfg: Any) -> str:
@@ -58,12 +59,6 @@ def check_run_dag(plan: Plan, cfg: Any) -> None:
             f"but trainer.kl_coef is {cfg.trainer.kl_coef} (the KL term needs it exactly when kl_coef > 0)"
         )
     if cfg.run.mode == "async":
-        for group in plan.groups:
-            if "reference_logprobs" in {plan.spec.node(n).function for n in group.nodes} and len(group.nodes) > 1:
-                raise ConfigError(
-                    f"run.dag: the reference node needs a device pool of its own in run.mode: async "
-                    f"(pool {group.pool!r} also holds {', '.join(group.nodes)})"
-                )
         for node in plan.spec.nodes:
             if node.function not in ASYNC_FUNCTIONS or node.options:
                 raise ConfigError(
@@ -72,16 +67,17 @@ def check_run_dag(plan: Plan, cfg: Any) -> None:
                 )
 
 
-def async_queue_tasks(plan: Plan, train_task: str, reference_task: str) -> dict[str, tuple[str, ...]]:
-    """The asynchronous pipeline's queue tasks from the DAG: the trainer's task reads what its
-    worker group's nodes read from outside the group; the reference task what its node reads."""
+def async_queue_tasks(plan: Plan, train_task: str, reference_task: str, critic_task: str) -> dict[str, tuple[str, ...]]:
+    """The asynchronous pipeline's queue tasks from the DAG, one per worker: the reference and
+    the critic-values tasks read what their node reads; the trainer's task reads what the other
+    nodes after rollout read and do not write themselves (whatever their device pools)."""
+    served_apart = {"reference_logprobs": reference_task, "critic_values": critic_task}
+    nodes = [n for n in plan.spec.nodes if n.type != "generate"]
     tasks: dict[str, tuple[str, ...]] = {}
-    for group in plan.groups:
-        nodes = [plan.spec.node(n) for n in group.nodes]
-        written = {c for n in nodes for c in n.writes}
-        reads = tuple(dict.fromkeys(c for n in nodes for c in n.reads if c not in written))
-        if any(n.function == "actor_update" for n in nodes):
-            tasks[train_task] = reads
-        elif any(n.function == "reference_logprobs" for n in nodes):
-            tasks[reference_task] = reads
+    for node in nodes:
+        if node.function in served_apart:
+            tasks[served_apart[node.function]] = tuple(node.reads)
+    trainer = [n for n in nodes if n.function not in served_apart]
+    written = {c for n in trainer for c in n.writes}
+    tasks[train_task] = tuple(dict.fromkeys(c for n in trainer for c in n.reads if c not in written))
     return tasks

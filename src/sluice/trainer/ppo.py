@@ -9,13 +9,20 @@ then takes the step's updates (``trainer/updates.py``: mini-batches, epochs, pro
 and the critic the same schedule of clipped value-regression updates towards the returns,
 clipped around the values the advantages came from. The policy version advances once.
 
-Deliberately not here: the models (``engines/critic.py``, ``engines/hf_train.py``) and the
-critic as a separate pipeline worker (this step runs where both engines live: ``mode: sync``).
+``ppo_critic_step`` takes the values from the critic itself (``mode: sync``, where every model
+lives in one process) or as given, which is how the asynchronous pipeline's trainer runs it:
+there the values are a queue column written by the critic-values task
+(``trainer/critic_task.py``) with the newest critic the trainer has published.
+
+Deliberately not here: the models (``engines/critic.py``, ``engines/hf_train.py``) and serving
+the values task.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,6 +39,25 @@ from sluice.trainer.updates import (
     proximal_logprobs,
     run_updates,
 )
+
+VALUES_COLUMN = "values"
+"""Per-response-token values of the critic, the column the critic-values task writes."""
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    """How to build and train PPO's critic (picklable: Ray workers receive it)."""
+
+    lr: float
+    value_clip: float = 0.2
+    grad_clip: float = 1.0
+    token_budget: int = 2048
+    gamma: float = 1.0
+    lam: float = 1.0
+
+    def engine(self, model_dir: str | Path) -> CriticEngine:
+        """A fresh critic from the policy at ``model_dir`` (every build gives the same weights)."""
+        return CriticEngine(model_dir, self.lr, self.value_clip, self.grad_clip, self.token_budget)
 
 
 def token_rewards(sample: Sample, algorithm: GRPOAlgorithm) -> torch.Tensor:
@@ -88,10 +114,14 @@ def ppo_critic_step(
     temperature: float,
     gamma: float = 1.0,
     lam: float = 1.0,
+    values: Sequence[Sequence[float]] | None = None,
 ) -> dict[str, float]:
     """One PPO training step with a critic; the actor's merged metrics plus the critic's sums
-    (``value_loss`` averaged over the critic's updates) and ``value_mean`` / ``return_mean``."""
-    values = critic.values(samples)
+    (``value_loss`` averaged over the critic's updates) and ``value_mean`` / ``return_mean``.
+    ``values`` (``[samples][response tokens]``): taken already, as the asynchronous trainer reads
+    them from the queue; by default the critic values the samples now."""
+    if values is None:
+        values = critic.values(samples)
     advantages, returns = gae_targets(samples, values, algorithm, gamma, lam)
     prox = proximal_logprobs(actor, samples, schedule, temperature)
     metrics = merge_update_metrics(

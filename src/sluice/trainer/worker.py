@@ -10,7 +10,10 @@ log-probs) holds the step's samples and runs them all there. It is synchronous (
 read waits for the rows); the same class runs in a worker thread (``backend: local``) or as a
 Ray actor. With data parallelism (``join_data_parallel``) several workers each train the groups
 handed to them, told each group's place in the step, and sum gradients before every optimizer
-update (``trainer/data_parallel.py``); rank 0 publishes. It does not choose groups.
+update (``trainer/data_parallel.py``); rank 0 publishes. With a critic (``algorithm: ppo``) the
+rows also carry the critic-values task's ``values`` column, and the step trains the actor, then
+the critic (``trainer/ppo.py``), and publishes the critic before the policy
+(``trainer/critic_task.py`` loads it). It does not choose groups.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.telemetry.trace import SpanRecorder
+from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import AllReducedEngine, DataParallelGroup, free_tcp_address
+from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec, ppo_critic_step
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.step import InOrderPacker, StreamingTrainEngine, step_normaliser
 from sluice.trainer.updates import (
@@ -59,9 +64,16 @@ class TrainerWorker:
         schedule: UpdateSchedule = ONE_UPDATE,
         threads: int = 1,
         trace: bool = True,
+        critic: CriticSpec | None = None,
+        critic_sync: WeightSync | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.engine = HFTrainEngine(load_causal_lm(model_dir), **engine_kwargs)
+        self.critic_spec = critic
+        self.critic = critic.engine(model_dir) if critic is not None else None
+        self.critic_sync = critic_sync
+        if (critic is None) != (critic_sync is None):
+            raise ValueError("a critic needs a critic_sync to publish it to the critic-values task, and only then")
         self.queue = queue
         self.algorithm = algorithm
         self.weight_sync = weight_sync
@@ -72,6 +84,8 @@ class TrainerWorker:
         self.version = 0
         self._step: InOrderPacker | None = None
         self._held: list[Sample] = []
+        self._values: list[list[float]] = []
+        """The critic's values of each held sample (with a critic)."""
         self._positions: list[int] = []
         """The step position of each held sample's group (the data-parallel ranks' common order)."""
         self._timing: dict[str, float] = {}
@@ -98,7 +112,7 @@ class TrainerWorker:
 
     def begin_step(self) -> None:
         self._step = InOrderPacker(self.micro_batch_tokens)
-        self._held, self._positions = [], []
+        self._held, self._positions, self._values = [], [], []
         self._timing = {"wait_data_s": 0.0, "first_microbatch_at": 0.0}
         self.engine.begin_step()
 
@@ -110,12 +124,16 @@ class TrainerWorker:
         start = time.perf_counter()
         with self.tracer.span("wait_data", lane="trainer", groups=len(group_ids)):
             rows = [i for gid in group_ids for i in group_rows(gid, self.group_size)]
-            columns = train_columns(self.algorithm.uses_reference)
+            columns = train_columns(self.algorithm.uses_reference) + ((VALUES_COLUMN,) if self.critic else ())
             batch = self.queue.get(TRAIN_TASK, columns, len(rows), indices=rows, min_size=len(rows))
         self._timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
-        samples = sorted(rows_to_samples(batch), key=lambda s: position[s.group_id])
+        in_order = sorted(range(len(batch)), key=lambda k: batch.indices[k])  # rows_to_samples' order
+        values = [list(batch.columns[VALUES_COLUMN][k]) for k in in_order] if self.critic else [[]] * len(batch)
+        paired = sorted(zip(rows_to_samples(batch), values, strict=True), key=lambda p: position[p[0].group_id])
+        samples = [s for s, _ in paired]
         if self.holds_step:
+            self._values.extend(v for _, v in paired)
             start = self._positions[-1] + 1 if self._positions else 0
             where = dict(zip(group_ids, positions or range(start, start + len(group_ids)), strict=True))
             self._held.extend(samples)
@@ -145,6 +163,8 @@ class TrainerWorker:
         start), advantages over the whole step, then each mini-batch's update with the ranks'
         gradients summed under that mini-batch's normaliser over all ranks."""
         step_samples, mine = self._step_order(held)
+        if self.critic is not None:
+            return self._train_with_critic(held)
         with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
             prox = proximal_logprobs(self.engine, held, self.schedule, self.engine.temperature)
             everyone = self.algorithm.advantages(step_samples)
@@ -157,6 +177,20 @@ class TrainerWorker:
             if self.dp is not None:
                 metrics = self.dp.sum_metrics(metrics)
         return self._publish(metrics, step_samples)
+
+    def _train_with_critic(self, held: list[Sample]) -> dict[str, float]:
+        """PPO's step over the held samples and their ``values`` column: GAE, the actor's updates,
+        the critic's updates (one process: ``data_parallel`` > 1 is refused with a critic)."""
+        assert self.critic is not None and self.critic_spec is not None
+        values, self._values = self._values, []
+        spec, algorithm = self.critic_spec, self.algorithm
+        assert isinstance(algorithm, GRPOAlgorithm), "PPO's GAE needs the built-in algorithm"
+        with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
+            metrics = ppo_critic_step(
+                _Traced(self), self.critic, held, algorithm, self.micro_batch_tokens, self.schedule,
+                self.engine.temperature, spec.gamma, spec.lam, values,
+            )  # fmt: skip
+        return self._publish(metrics, held)
 
     def _step_order(self, held: list[Sample]) -> tuple[list[Sample], list[int]]:
         """The whole step's samples in step order (every rank's, by group position) and the
@@ -181,6 +215,7 @@ class TrainerWorker:
         self.version += 1
         if self.dp is None or self.dp.rank == 0:
             with self.tracer.span("weight_publish", lane="trainer", version=self.version):
+                self._publish_critic()
                 self.weight_sync.publish(self.engine.export_weights(), self.version)
         trained = sum(len(s.response_ids) for s in samples)
         self._trained_uids = [s.uid for s in samples]
@@ -192,6 +227,11 @@ class TrainerWorker:
             "trained_tokens": float(trained),
             "version": float(self.version),
         }
+
+    def _publish_critic(self) -> None:
+        """The critic of this version, before the policy: rows its policy generates find it."""
+        if self.critic is not None and self.critic_sync is not None:
+            self.critic_sync.publish(self.critic.export_weights(), self.version)
 
     def weights_fingerprint(self) -> tuple[int, float]:
         """(version, float64 sum of every parameter): compared with the engines' after a sync."""
@@ -213,16 +253,21 @@ class TrainerWorker:
         process's RNG and the policy version."""
         assert self._step is None, "checkpoint between steps only"
         self.engine.save(path)
+        if self.critic is not None:
+            self.critic.save(path)
         torch.save({"version": self.version, "rng": capture_rng()}, Path(path) / TRAINER_STATE)
 
     def load_state(self, path: str) -> int:
         """Resume from ``save_state``; rank 0 republishes the weights as the restored version so
         the engines can load them. Returns the version."""
         self.engine.load(path)
+        if self.critic is not None:
+            self.critic.load(path)
         state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)  # our own file: RNG tuples
         self.version = int(state["version"])
         restore_rng(state["rng"])
         if self.dp is None or self.dp.rank == 0:
+            self._publish_critic()
             self.weight_sync.publish(self.engine.export_weights(), self.version)
         return self.version
 
