@@ -311,8 +311,16 @@ class RayQueue:
         data = merge_reads(local, positions, columns, len(metas))  # copies out of the arenas
         for unit, slots in used.items():
             if slots:
-                self.units[unit].release.remote(slots)  # no need to wait
+                self._release(unit, slots)
         return Batch(indices=tuple(m.index for m in metas), columns=data, meta=tuple(metas), done=done)
+
+    def _release(self, unit: int, slots: list[int]) -> None:
+        """Give a unit's arena slots back: a direct call on its node (~60 us against a Ray call's
+        ~1 ms of CPU on each side, once per read), else a Ray call nobody waits for."""
+        if self._local(unit):
+            direct.call(self.unit_endpoints[unit][1], "release", slots)
+        else:
+            self.units[unit].release.remote(slots)
 
     def drop_refs(self, indices: Sequence[int]) -> list[Any]:
         return [
