@@ -71,3 +71,25 @@ def test_transport_counts_column_payloads_as_sample_bytes_and_control_as_not():
     transport._measure(("score", 0, batch))
     assert transport.counts.sample - before >= 16_000
     assert 16_000 <= payload_bytes(tokens) < 17_000  # the buffer counted once, out of band
+
+
+def test_synthetic_rows_are_position_plus_row_mod_vocab_and_checksums_read_every_token():
+    from sluice.pipeline.compute_nodes import VOCAB, synthetic_generate, token_checksum
+    from sluice.pipeline.functions import NodeContext
+    from sluice.pipeline.spec import DagNode
+
+    gen = DagNode(id="gen", role="rollout", type="generate", reads=("prompt",), writes=("tokens", "reward"),
+                  function="synthetic_generate", options={"group_size": 2, "tokens": 300})  # fmt: skip
+    ctx = NodeContext(gen)
+    groups = [0, 3, 24_999]  # the last group's rows (49,998 and 49,999) wrap around the vocabulary
+    prompts = Batch(tuple(groups), {"prompt": groups}, tuple(RowMeta(g, g, 0, 0) for g in groups))
+    for _ in range(2):  # the second call reuses the cached table
+        out = synthetic_generate(ctx, prompts)
+        rows = [2 * g + j for g in groups for j in range(2)]
+        expected = [(np.arange(300) + r) % VOCAB for r in rows]
+        assert all(np.array_equal(out["tokens"][k], expected[k]) for k in range(len(rows)))
+        assert out["reward"] == [float(r % 2) for r in rows]
+    score = DagNode(id="score", role="reward", type="compute", reads=("tokens",), writes=("sum",),
+                    function="token_checksum")  # fmt: skip
+    sums = token_checksum(NodeContext(score), Batch(tuple(rows), {"tokens": out["tokens"]}, ()))
+    assert sums["sum"] == [int(e.sum()) for e in expected]

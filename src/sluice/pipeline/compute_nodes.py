@@ -27,10 +27,15 @@ def weighted_sum(ctx: NodeContext, rows: Batch) -> dict[str, list[float]]:
     return {ctx.node.writes[0]: total}
 
 
+VOCAB = 50_000
+"""Token ids of ``synthetic_generate`` are ``(position + row) % VOCAB``."""
+
+
 def synthetic_generate(ctx: NodeContext, rows: Batch) -> dict[str, Any]:
-    """``options.group_size`` rows per prompt group, each ``options.tokens`` int32 token ids (a
-    deterministic function of the row) in the first write column; any further write column gets
-    a float per row (a stand-in reward)."""
+    """``options.group_size`` rows per prompt group, each ``options.tokens`` int32 token ids
+    ``(position + row) % VOCAB`` in the first write column; any further write column gets a float
+    per row (a stand-in reward). Each row is one copy out of a table cached in ``ctx.state``, so
+    making rows costs about what writing their bytes does (the benchmark measures the data path)."""
     group_size = int(ctx.options.get("group_size", 1))
     tokens = int(ctx.options.get("tokens", 16))
     groups = [m.group_id for m in rows.meta]
@@ -38,7 +43,12 @@ def synthetic_generate(ctx: NodeContext, rows: Batch) -> dict[str, Any]:
     row_ids = np.repeat(np.asarray(groups, dtype=np.int64) * group_size, group_size) + np.tile(
         np.arange(group_size), len(groups)
     )
-    values = (np.arange(tokens, dtype=np.int32)[None, :] + row_ids[:, None].astype(np.int32)) % 50_000
+    table = ctx.state.get("token_table")
+    if table is None or len(table) != VOCAB + tokens:
+        table = ctx.state["token_table"] = (np.arange(VOCAB + tokens, dtype=np.int64) % VOCAB).astype(np.int32)
+    values = np.empty((n, tokens), dtype=np.int32)
+    for k, start in enumerate((row_ids % VOCAB).tolist()):
+        values[k] = table[start : start + tokens]
     column = PackedColumn(values.reshape(-1), offsets_of([tokens] * n), "list")
     out: dict[str, Any] = {ctx.node.writes[0]: column}
     for name in ctx.node.writes[1:]:
@@ -50,7 +60,7 @@ def token_checksum(ctx: NodeContext, rows: Batch) -> dict[str, list[int]]:
     """Sum of every token id of the first read column, per row: reads every byte it was sent."""
     column = rows.columns[ctx.node.reads[0]]
     if isinstance(column, PackedColumn) and len(column):
-        sums = np.add.reduceat(column.values.astype(np.int64), column.offsets[:-1]).tolist()
+        sums = np.add.reduceat(column.values, column.offsets[:-1], dtype=np.int64).tolist()
         lengths = column.lengths().tolist()
         return {ctx.node.writes[0]: [s if n else 0 for s, n in zip(sums, lengths, strict=True)]}
     return {ctx.node.writes[0]: [int(sum(row)) for row in column]}
