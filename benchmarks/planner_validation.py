@@ -250,11 +250,16 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
     batch = sum(e["generated_tokens"] for e in engines) / sum(e["steps"] for e in engines)
     scale = iteration_s / (prof["decode_s"] * max(1.0, batch / prof["knee"]))
     d = prof["decode_s"] * scale
-    model = LengthModel(lengths["median"], lengths["sigma"], 0.05)
+    # Response lengths: the task's answer-length spread, scaled so the mean equals the mean
+    # response the calibration runs sampled (a policy at temperature 1 overshoots the answers).
+    sample_sigma = 0.05
+    measured_mean = sum(s["tokens"] for s in steps) / sum(s["samples"] for s in steps)
+    median = measured_mean / math.exp((lengths["sigma"] ** 2 + sample_sigma**2) / 2)
+    model = LengthModel(median, lengths["sigma"], sample_sigma)
     engine = SimEngineConfig(decode_s=d, knee=max(1, round(prof["knee"])), max_running=512,
                              prefill_s_per_token=d / prof["knee"], load_s=0.01, lengths=model)  # fmt: skip
     calib = {"engine_scale": scale, "engine_iteration_s": iteration_s, "engine_mean_batch": batch,
-             "train_token_s": per_token}  # fmt: skip
+             "train_token_s": per_token, "response_mean": measured_mean, "length_median": median}  # fmt: skip
     return engine, trainer, calib
 
 
