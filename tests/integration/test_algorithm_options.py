@@ -96,3 +96,20 @@ def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, 
     assert streamed[-1]["value_mean"] != 0.0 and all(r["staleness_max"] == 0 for r in streamed)
     with pytest.raises(ConfigError, match="does not train a critic yet"):
         load_config(None, [*PPO, "run.mode=async", "run.backend=ray", "trainer.data_parallel=2"])
+
+
+def test_ppo_with_a_critic_at_eta1_keeps_the_staleness_bound_and_the_fates(tiny_task_model, tmp_path):
+    """η = 1: rows are valued by a critic at least as new as their policy while the trainer runs
+    a version ahead; every admitted group is trained once or counted, none older than η."""
+    overrides = ["run.mode=async", "run.backend=local", "rollout.max_staleness=1", "rollout.max_batch=8"]
+    cfg = load_config(None, [*tiny_run_overrides(tiny_task_model, tmp_path, "ppo-eta1"), *OPTIONS, *PPO, *overrides])
+    result = RLTrainer(cfg, reward=length_reward).fit()
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    trains = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == [1, 2, 3] and all(r["staleness_max"] <= 1 for r in trains)
+    assert all(r["value_tokens"] > 0 and r["optimizer_steps"] == 2 for r in trains)
+    fates = next(r for r in records if r["kind"] == "fates")
+    assert fates["groups_trained"] == 12 == sum(v for k, v in fates.items() if k.startswith("staleness_"))
+    weights = next(r for r in records if r["kind"] == "weights")
+    assert weights["engine_version"] == weights["trainer_version"] == 3
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
