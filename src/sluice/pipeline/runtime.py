@@ -13,6 +13,7 @@ bytes. Neither decides what a node computes.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from sluice.api import Batch, RowMeta
 from sluice.pipeline.gate import ServedGate
 from sluice.pipeline.planner import Plan, WorkerGroup
 from sluice.pipeline.transport import DriverBytes, DriverTransport
-from sluice.pipeline.worker import DagWorker, RuntimeSettings, take_rows
+from sluice.pipeline.worker import DagWorker, RuntimeSettings
 
 WARM_PARTITIONS = 1 << 40
 """Partition ids from here on carry ``ready``'s warm-up rows (no step ever reads them)."""
@@ -153,7 +154,9 @@ class SingleControllerRun(_Run):
             made = t.get([t.call(w.produce, p) for w, p in zip(makers, parts, strict=True) if p])
             indices = [i for part in made for i in part[0]]
             meta: list[RowMeta] = [m for part in made for m in part[2]]
-            columns = {c: concat([part[1][c] for part in made]) for c in made[0][1]}
+            # every column as (worker's part, row) cells: each shard is gathered once, straight
+            # from the parts the workers returned (no intermediate whole-batch copy)
+            cells = {c: _cells([part[1][c] for part in made]) for c in made[0][1]}
             for node_id in self.plan.order():
                 node = spec.node(node_id)
                 if node.type == "generate":
@@ -162,22 +165,28 @@ class SingleControllerRun(_Run):
                 shards = [range(r * len(indices) // node.parallel, (r + 1) * len(indices) // node.parallel)
                           for r in range(node.parallel)]  # fmt: skip
                 batches = [
-                    Batch(tuple(indices[k] for k in sh), {c: take_rows(columns[c], sh) for c in node.reads},
+                    Batch(tuple(indices[k] for k in sh), {c: pick(cells[c], sh) for c in node.reads},
                           tuple(meta[k] for k in sh))
                     for sh in shards
                 ]  # fmt: skip
                 outs = t.get([t.call(group[r].apply, node_id, step, b) for r, b in enumerate(batches)])
                 for c in node.writes:
-                    columns[c] = concat([o[c] for o in outs])
+                    cells[c] = _cells([o[c] for o in outs])
                 rows += len(indices)
             rows += len(indices)
         return self._result(rows)
 
 
-def concat(parts: list[Any]) -> Any:
-    """Columns of consecutive row ranges joined into one (packed columns stay packed)."""
+def _cells(parts: list[Any]) -> list[tuple[Any, int]]:
+    """Consecutive parts of a column as one ``(part, row)`` per row."""
+    return [(p, k) for p in parts for k in range(len(p))]
+
+
+def pick(cells: list[tuple[Any, int]], positions: Sequence[int]) -> Any:
+    """The rows at ``positions`` of a column held as cells: packed parts gathered in one copy."""
     from sluice.queue.packed import PackedColumn, gather
 
-    if parts and all(isinstance(p, PackedColumn) for p in parts):
-        return gather([(p, k) for p in parts for k in range(len(p))], parts[0])
-    return [v for p in parts for v in p]
+    chosen = [cells[p] for p in positions]
+    if chosen and all(isinstance(part, PackedColumn) and part.compatible(chosen[0][0]) for part, _ in chosen):
+        return gather(chosen, chosen[0][0])
+    return [part[k] for part, k in chosen]
