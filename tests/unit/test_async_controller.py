@@ -150,3 +150,14 @@ def test_gate_rejects_bad_parameters():
         StalenessGate(0, 1)
     with pytest.raises(ValueError, match="max_staleness"):
         StalenessGate(4, -1)
+
+
+@pytest.mark.parametrize("eta", [1, 4])
+def test_admission_stops_at_the_runs_budget(eta):
+    """No group is admitted that no remaining step could train: a run without discards admits
+    exactly steps · B groups, so none is generated only to be abandoned at the end."""
+    pipe = FakePipeline(_long_tailed(eta))
+    _, ledger = _run(pipe, eta, steps=5)
+    assert len(ledger.groups) == 5 * 4
+    assert not [g for g in ledger.groups.values() if g.discard_reason == "run_end"]
+    assert sum(len(step) for step in pipe.steps) == 5 * 4

@@ -75,8 +75,11 @@ class AsyncController:
         self.sync_metrics: dict[str, float] = {}
         """Timings of the most recent completed weight sync."""
         self._failure: BaseException | None = None
+        self._budget: int | None = None
+        """Groups the run can ever train (its steps' quota plus the redundant ones); ``None``: no cap."""
 
     async def run(self, steps: int, after_step: StepCallback) -> None:
+        self._budget = steps * self.groups_per_step + self.ledger.redundant_groups
         self._admit()
         try:
             while self.version < steps:
@@ -119,14 +122,19 @@ class AsyncController:
 
     def _admit(self) -> None:
         """Start new groups while ``accepted + in_flight < (v + η + 1) · B`` (v = engines' version),
-        all that fit as one wave."""
+        all that fit as one wave; never past the run's budget (a group no remaining step could
+        train would only be generated to be abandoned at the end, on the cores the last steps need)."""
         wave = []
-        while self.ledger.capacity(self.pipeline.engine_version) > 0:
+        while self.ledger.capacity(self.pipeline.engine_version) > 0 and self._within_budget():
             gid, self._next_group = self._next_group, self._next_group + 1
             self.ledger.admitted(gid, self.pipeline.engine_version)
             wave.append((self.pipeline.next_prompt(), gid))
         self._start_wave(wave)
         self._news.set()
+
+    def _within_budget(self) -> bool:
+        ledger = self.ledger
+        return self._budget is None or ledger.accepted + ledger.in_flight < self._budget
 
     def _start_wave(self, wave: list[tuple[PromptItem, int]]) -> None:
         if wave:

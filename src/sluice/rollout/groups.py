@@ -10,6 +10,10 @@ schedules (ROLL Flash §5.1.1):
   groups are filtered and written. A filtered group's credit brings a new wave: the rounds
   repeat until the step has its groups.
 
+Writes are group-committed (``GroupCommitWriter``): a group finishing while an earlier write is
+still in flight joins the next write, so a burst of finished groups costs one queue call, not one
+each, and a lone group is written at once.
+
 ``abort_groups`` stops groups that became surplus (redundant prompts once the step's quota is
 met): their requests are aborted on the engines and each is reported as discarded with the
 given reason. The runner decides no admission and no quota; the controller does.
@@ -19,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Literal
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from typing import Any, Literal
 
-from sluice.api import AsyncQueueClient, GroupReport, InferenceEngine, PromptItem, RewardFn, Sample
+from sluice.api import AsyncQueueClient, GroupReport, InferenceEngine, PromptItem, RewardFn, RowMeta, Sample
 from sluice.queue.samples import samples_to_rows
 from sluice.rollout.filters import GroupFilter, reward_failure
 from sluice.rollout.group_tasks import GroupTasks
@@ -30,6 +34,51 @@ from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
 
 Scheduling = Literal["queue", "batch"]
+_Rows = tuple[Sequence[int], Mapping[str, Sequence[Any]], Sequence[RowMeta]]
+
+
+class GroupCommitWriter:
+    """Queue writes of whole groups, group-committed: ``put`` returns once the rows are stored;
+    rows handed in while a write is in flight go out together in the next one (in arrival order).
+    A failed write fails every ``put`` it carried."""
+
+    def __init__(self, queue: AsyncQueueClient) -> None:
+        self.queue = queue
+        self._pending: list[tuple[_Rows, asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
+        self.writes = 0
+        """Queue calls made (``puts`` / ``writes`` is the batching achieved)."""
+        self.puts = 0
+
+    async def put(self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta]) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append(((indices, columns, meta), done))
+        self.puts += 1
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_pending())
+        await done
+
+    async def _write_pending(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            indices = [i for (rows, _) in batch for i in rows[0]]
+            columns = {name: [v for (rows, _) in batch for v in rows[1][name]] for name in batch[0][0][1]}
+            meta = [m for (rows, _) in batch for m in rows[2]]
+            self.writes += 1
+            try:
+                await self.queue.put(indices, columns, meta)
+            except asyncio.CancelledError:
+                for _, done in batch:
+                    done.cancel()
+                raise
+            except Exception as err:  # each put it carried raises it
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(err)
+                continue
+            for _, done in batch:
+                if not done.done():  # a cancelled put (aborted group) still had its rows stored
+                    done.set_result(None)
 
 
 class GroupRunner:
@@ -51,6 +100,7 @@ class GroupRunner:
         self.engine = engine
         self.workflow = workflow
         self.queue = queue
+        self.writer = GroupCommitWriter(queue)
         self.reward = reward
         self.group_filter = group_filter
         self.scheduling = scheduling
@@ -104,7 +154,7 @@ class GroupRunner:
         if reason is None:
             indices, columns, meta = samples_to_rows(samples, self.workflow.group_size)
             with self.tracer.span("queue_put", lane="queue", group=group_id):
-                await self.queue.put(indices, columns, meta)
+                await self.writer.put(indices, columns, meta)
         return GroupReport(
             group_id=group_id,
             version=min(s.version for s in samples),
