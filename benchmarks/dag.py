@@ -6,10 +6,14 @@ The DAG: ``gen`` (W/2 workers, ``synthetic_generate``: int32 token rows, no mode
 (W/2 workers, ``token_checksum``: reads every token it gets) in separate pools; each step is 16
 groups × 4 samples; W ∈ {2, 4, 8} workers, 1k → 32k tokens per sample. Both variants run η = 0
 (a step's rows are all generated before they are scored), so only the data path differs. Time is
-the wall time of ``run()`` after every actor is up, over ``--steps`` steps; the driver's bytes are
-counted at its transport. Every run's checksums are verified against the generator's formula.
+the wall time of ``run()`` after every actor is up and has warmed its data path (``ready()``), over
+``--steps`` steps; the driver's bytes are counted at its transport. Every run's checksums are
+verified against the generator's formula. Beside the time, each row has the CPU seconds per step
+every kind of process burnt during ``run()`` (from ``/proc``: the driver, the DAG workers, the
+queue's storage units and controllers, the gate, Ray's own processes): on a machine with fewer
+cores than processes, a step cannot take less than its CPU over the core count.
 
-    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py [--quick]
+    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py [--quick] [--cells 8x32768,2x1024]
 
 Prints a table and writes ``benchmarks/results/dag.json``.
 """
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -53,6 +58,31 @@ def expected_checksum(row: int, tokens: int) -> int:
     return int(((np.arange(tokens, dtype=np.int64) + row) % 50_000).sum())
 
 
+ROLES = {"ray::DagWorker": "workers", "ray::StorageActor": "storage", "ray::ControllerActor": "controllers",
+         "ray::ServedGate": "gate"}  # fmt: skip
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of this machine's processes, by role (empty where there is no ``/proc``)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")[0].decode(errors="replace").strip()
+        except OSError:  # the process ended meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        role = "driver" if int(pid) == os.getpid() else ROLES.get(cmd, "ray" if "ray" in cmd else "other")
+        out[role] = out.get(role, 0.0) + seconds
+    return out
+
+
 def measure(kind: type, workers: int, tokens: int, steps: int) -> dict:
     plan = compile_dag(parse_dag(dag(workers, tokens)), "disaggregated")
     settings = RuntimeSettings(GROUPS, GROUP_SIZE, steps, IndexPrompts(GROUPS * steps), max_staleness=0)
@@ -60,9 +90,11 @@ def measure(kind: type, workers: int, tokens: int, steps: int) -> dict:
     try:
         run.ready()  # every actor is up: the clock measures the data path
         before = run.transport.counts.total
+        cpu_before = cpu_by_role()
         started = time.perf_counter()
         result = run.run()
         elapsed = time.perf_counter() - started
+        cpu_after = cpu_by_role()
         if kind is MultiControllerRun:
             run.queue.register_task("verify", ["checksum"])
             batch = run.queue.get("verify", ["checksum"], 1 << 20, timeout=10)
@@ -86,13 +118,20 @@ def measure(kind: type, workers: int, tokens: int, steps: int) -> dict:
         "driver_bytes": result.driver.total - before,
         "driver_sample_bytes": result.driver.sample,
         "step_bytes": rows // steps * tokens * 4,
+        "step_ms": elapsed / steps * 1000,
+        "cpu_ms_per_step": {
+            role: round((cpu_after[role] - cpu_before.get(role, 0.0)) / steps * 1000, 2)
+            for role in sorted(cpu_after)
+            if cpu_after[role] > cpu_before.get(role, 0.0)
+        },
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 and 8 workers, 1k and 32k tokens, 2 steps")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="2 and 8 workers, 1k and 32k tokens, 4 steps")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes")
     parser.add_argument("--cells", default="", help="only these cells, e.g. 8x32768,2x1024 (workers x tokens)")
     args = parser.parse_args()
     workers = (2, 8) if args.quick else (2, 4, 8)
@@ -100,7 +139,8 @@ def main() -> None:
     cells = [(w, t) for w in workers for t in tokens]
     if args.cells:
         cells = [(int(w), int(t)) for w, t in (c.split("x") for c in args.cells.split(","))]
-    steps = 2 if args.quick else args.steps
+    steps = 4 if args.quick else args.steps
+    load = os.getloadavg()
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              object_store_memory=1024**3)  # fmt: skip
     rows = []
@@ -116,6 +156,10 @@ def main() -> None:
             f"multi/single {multi['speedup']:.2f}x",
             flush=True,
         )
+        for row in (single, multi):
+            cpu = row["cpu_ms_per_step"]
+            print(f"    {row['variant']:6} {row['step_ms']:6.1f} ms/step; CPU ms/step: {sum(cpu.values()):.1f} = "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()), flush=True)  # fmt: skip
     print()
     print(
         "| workers | tokens/sample | single M tok/s | multi M tok/s | multi/single | driver sample B: single | multi |"
@@ -127,10 +171,14 @@ def main() -> None:
             f"{multi['tokens_per_s'] / 1e6:.2f} | {multi['speedup']:.2f}× | "
             f"{single['driver_sample_bytes'] / 2**20:.1f} MiB | {multi['driver_sample_bytes']} B |"
         )
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.node(), "cpus": os.cpu_count(), "groups": GROUPS, "group_size": GROUP_SIZE}
-    OUT.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {OUT}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"machine": platform.node(), "cpus": os.cpu_count(), "groups": GROUPS, "group_size": GROUP_SIZE,
+            "steps": steps, "commit": commit, "loadavg_before": load, "loadavg_after": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+    print(f"load average before {load[0]:.2f}, after {meta['loadavg_after'][0]:.2f}; commit {commit}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
