@@ -1,6 +1,7 @@
 """Runs with the ``fleet.*`` options on a tiny real model: weights by broadcast train exactly like
 the synchronous loop at η = 0 (every step's engine weights were the trainer's, bit for bit), and
-longest-predicted-first dispatch holds requests at the proxy and learns lengths on the live path;
+longest-predicted-first dispatch holds requests at the proxy and learns lengths on the live path,
+and sends the predicted long tail to a dedicated replica;
 replicas as Ray actors each load every version (received by broadcast, forwarded through Ray)."""
 
 import json
@@ -54,6 +55,22 @@ def test_longest_first_dispatch_on_the_live_path(tiny_task_model, tmp_path):
     proxy = trainers[0].pipeline.rollout_worker.proxy.stats()
     # 16 samples in flight on 4 slots: most waited at the proxy; every finished one taught the ranker
     assert proxy["lpt_observed"] >= 32 and proxy["lpt_waiting"] == 0 and proxy["routed"] >= 32
+
+
+def test_long_tail_replicas_on_the_live_path(tiny_task_model, tmp_path):
+    trainers = []
+    records, _ = _run(
+        tiny_task_model, tmp_path, "long_tail", "run.mode=async", "run.backend=local", "rollout.replicas=2",
+        "rollout.max_staleness=0", "run.steps=3", "fleet.lpt=true", "fleet.long_tail_replicas=1",
+        "fleet.long_tail_max_batch=1", trainer_out=trainers,
+    )  # fmt: skip
+    assert len([r for r in records if r["kind"] == "train"]) == 3
+    proxy = trainers[0].pipeline.rollout_worker.proxy.stats()
+    # step 1's requests meet an untrained ranker (one constant: no long tail); from step 2 on, the
+    # ranker has seen lengths and its predicted long tail goes to the dedicated replica
+    assert proxy["long_tail_replicas"] == 1 and proxy["long_tail_routed"] > 0 and proxy["lpt_waiting"] == 0
+    with pytest.raises(ValueError, match="leave none"):
+        _run(tiny_task_model, tmp_path, "too_many", "run.backend=local", "fleet.lpt=true", "fleet.long_tail_replicas=1")
 
 
 def test_replicas_as_ray_actors_train_and_hold_the_trainers_weights(tiny_task_model, tmp_path, ray_cluster):

@@ -66,15 +66,25 @@ def test_small_batches_for_the_long_tail_shorten_the_makespan() -> None:
     assert plain == pytest.approx(1.3, abs=0.02) and split == pytest.approx(1.0, abs=0.02)
 
 
-def test_split_classifies_against_recent_predictions_and_falls_back_when_a_side_is_empty() -> None:
+def test_split_classifies_against_recent_requests_as_the_ranker_sees_them_now() -> None:
     split = LongTailSplit(2, 4, share=0.2, window=10)
-    assert not split.is_tail(5.0)  # nothing recorded: nothing is long tail
+    ranker = FakeLengthPredictor({(n,): float(n) for n in range(1, 11)})
+    assert not split.is_tail((5,), ranker)  # nothing recorded: nothing is long tail
     for n in range(1, 11):
-        split.record(float(n))
-    assert [n for n in range(1, 11) if split.is_tail(float(n))] == [9, 10]  # the top 20 %
+        split.record((n,))
+    assert [n for n in range(1, 11) if split.is_tail((n,), ranker)] == [9, 10]  # the top 20 %
+    ranker.table = {(n,): 1.0 for n in range(1, 11)}  # it learned: every recent prompt is alike now
+    split.record((1,))
+    assert not any(split.is_tail((n,), ranker) for n in range(1, 11))  # re-predicted, not remembered
+    ranker.table[(11,)] = 5.0
+    assert split.is_tail((11,), ranker)
     for _ in range(10):
-        split.record(3.0)  # the window forgets the old predictions; a constant has no tail
-    assert not split.is_tail(3.0) and split.is_tail(3.5)
+        split.record((11,))  # the window forgets older requests
+    assert not split.is_tail((11,), ranker)
+
+
+def test_split_caps_and_pools_fall_back_when_a_side_is_empty() -> None:
+    split = LongTailSplit(2, 4)
     assert [split.join(r) for r in (0, 1, 2)] == [True, True, False]
     assert split.cap(0, 16) == 4 and split.cap(2, 16) == 16 and split.cap(1, 2) == 2
     assert split.pool([0, 1, 2], tail=True) == [0, 1] and split.pool([0, 1, 2], tail=False) == [2]

@@ -24,10 +24,10 @@ class FleetConfig(_Section):
 
     long_tail_replicas: int = Field(default=0, ge=0)
     """Skewness-aware dispatch (StreamRL): replicas dedicated to the requests the length ranker
-    predicts to be in the long tail (above all but the top ``long_tail_share`` of recent
-    predictions). They run at most ``long_tail_max_batch`` requests at once, so past the engine's
-    batch-size knee they decode faster per token; the other replicas run the rest at
-    ``rollout.max_batch``. Each side has its own longest-first queue; while one side has no
+    predicts to be in the long tail (longer than all but the top ``long_tail_share`` of the last
+    1,024 requests, all as the ranker predicts them now). They run at most ``long_tail_max_batch``
+    requests at once, so past the engine's batch-size knee they decode faster per token; the other
+    replicas run the rest at ``rollout.max_batch``. Each side has its own longest-first queue; while one side has no
     replica (all removed), its requests go to the other. 0 turns it off. Turn it on when lengths
     are long-tailed and predictable and the step waits for its longest responses decoding in full
     batches; choose the count so the dedicated replicas' share of the fleet matches the long
@@ -35,7 +35,7 @@ class FleetConfig(_Section):
 
     long_tail_share: float = Field(default=0.2, gt=0.0, lt=1.0)
     """``long_tail_replicas > 0``: the share of requests treated as long tail (StreamRL: 20 %),
-    judged against the last 1,024 predictions."""
+    judged against the last 1,024 requests."""
 
     long_tail_max_batch: int = Field(default=16, ge=1)
     """``long_tail_replicas > 0``: running requests per dedicated replica (at most

@@ -123,7 +123,7 @@ class LLMProxy:
         if self._lpt is not None:
             flight.predicted = self._lpt.predict(request.prompt_ids, request.params.max_new_tokens)
             if self._long_tail is not None:
-                self._long_tail.record(flight.predicted)
+                self._long_tail.record(request.prompt_ids)
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -316,8 +316,8 @@ class LLMProxy:
 
     def _lane(self, flight: _Flight) -> bool:
         """Skewness-aware dispatch: whether ``flight`` belongs to the predicted long tail."""
-        assert self._long_tail is not None
-        flight.tail = self._long_tail.is_tail(flight.predicted or 0.0)
+        assert self._long_tail is not None and self._lpt is not None
+        flight.tail = self._long_tail.is_tail(flight.request.prompt_ids, self._lpt.predictor)
         return flight.tail
 
     def _take_slot(self, flight: _Flight) -> ReplicaState | None:

@@ -12,19 +12,20 @@ dedicated replicas) whose predicted makespan is smallest.
 (choosing how many replicas to dedicate and their batch cap: ``benchmarks/rollout.py``,
 ``benchmarks/length_ranker.py``). ``LongTailSplit`` applies such a split on the live path: the
 ``LLMProxy`` (``fleet.long_tail_replicas``) asks it which requests are in the predicted long tail
-(the top share of recent predictions), which replicas are dedicated to them, and each replica's
-cap on running requests; its longest-first queue keeps one lane per side. Nothing here touches
-an engine.
+(the top share of recent requests, as the ranker predicts them now), which replicas are dedicated
+to them, and each replica's cap on running requests; its longest-first queue keeps one lane per
+side. Nothing here touches an engine.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from sluice.api import LengthPredictor
 from sluice.config.fleet import FleetConfig
 from sluice.rollout.length_ranker import long_tail, lpt_order
 
@@ -139,10 +140,12 @@ class LongTailSplit:
 
     ``replicas`` replicas are dedicated to the predicted long tail and run at most ``max_batch``
     requests each (small batches: fast per token past the knee); the other replicas take the rest
-    at the proxy's full ``slots``. A request is in the long tail when its predicted length is above
-    all but the top ``share`` of the last ``window`` predictions, so the split follows the ranker as
-    it learns and as lengths drift. When one side has no replica left (all removed), its requests
-    go to the other side's replicas rather than wait for one that may never come.
+    at the proxy's full ``slots``. A request is in the long tail when the ranker predicts it longer
+    than all but the top ``share`` of the last ``window`` requests' prompts, all predicted by the
+    ranker as it is now: an online ranker's scale moves as it learns, so predictions made earlier
+    are not comparable (a first wave predicted at the length cap would otherwise set the bar for
+    good). When one side has no replica left (all removed), its requests go to the other side's
+    replicas rather than wait for one that may never come.
     """
 
     def __init__(self, replicas: int, max_batch: int, *, share: float = 0.2, window: int = 1024) -> None:
@@ -156,21 +159,29 @@ class LongTailSplit:
         self.share = share
         self.dedicated: set[int] = set()
         """Ids of the replicas that run the long tail now."""
-        self._recent: deque[float] = deque(maxlen=window)
+        self._recent: deque[tuple[int, ...]] = deque(maxlen=window)
         self._threshold: float | None = None
 
-    def record(self, predicted: float) -> None:
-        """Remember one request's predicted length (the long tail is a share of recent ones)."""
-        self._recent.append(predicted)
+    def record(self, prompt_ids: Sequence[int]) -> None:
+        """Remember one arriving request's prompt (the long tail is a share of recent requests)."""
+        self._recent.append(tuple(prompt_ids))
         self._threshold = None
 
-    def is_tail(self, predicted: float) -> bool:
-        """Whether ``predicted`` is above the top-``share`` threshold of the recent predictions
-        (strictly: when the ranker predicts one constant, nothing is long tail)."""
+    def is_tail(self, prompt_ids: Sequence[int], ranker: LengthPredictor) -> bool:
+        """Whether ``ranker`` predicts ``prompt_ids`` longer than all but the top ``share`` of the
+        recent requests (strictly: a ranker that predicts one constant puts nothing in the tail).
+        The recent requests are re-predicted once after each new arrival, each distinct prompt once
+        (a group's samples share theirs)."""
         if self._threshold is None:
-            ranked = sorted(self._recent, reverse=True)
-            self._threshold = ranked[int(self.share * len(ranked))] if ranked else math.inf
-        return predicted > self._threshold
+            counts = Counter(self._recent)
+            ranked = sorted(zip(ranker.predict(list(counts)), counts.values(), strict=True), reverse=True)
+            above, self._threshold = int(self.share * len(self._recent)), math.inf
+            for predicted, count in ranked:  # the (above + 1)-th longest request's prediction
+                above -= count
+                if above < 0:
+                    self._threshold = predicted
+                    break
+        return ranker.predict([prompt_ids])[0] > self._threshold
 
     def join(self, replica_id: int) -> bool:
         """A replica starts taking requests: dedicate it while fewer than ``replicas`` are."""
