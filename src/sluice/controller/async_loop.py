@@ -133,8 +133,9 @@ class AsyncController:
         self._news.set()
 
     def _within_budget(self) -> bool:
-        ledger = self.ledger
-        return self._budget is None or ledger.accepted + ledger.in_flight < self._budget
+        if self._budget is None or self._next_group < self._budget:  # no scan of the books needed
+            return True
+        return self.ledger.accepted + self.ledger.in_flight < self._budget
 
     def _start_wave(self, wave: list[tuple[PromptItem, int]]) -> None:
         if wave:
