@@ -68,9 +68,13 @@ def test_async_eta1_resume_trains_every_admitted_group_once(tiny_task_model, tmp
 
     common = ["run.mode=async", "run.backend=local", "rollout.max_staleness=1", "rollout.max_batch=16"]
     common += ["trainer.ppo_epochs=4"]  # a slower trainer lets groups wait in the queue at the cut
-    _fit(tiny_task_model, tmp_path, "cut", *common, "run.steps=2", "run.checkpoint_every=2")
-    cut = read_driver_state(tmp_path / "cut" / "checkpoints" / "step_000002").cut
-    resumed = _fit(tiny_task_model, tmp_path, "cut", *common, "run.steps=5", "run.resume=auto")
+    # The whole 5-step run first, then a resume from its step-2 checkpoint: admission stops at the
+    # run's budget, so a run of only 2 steps would have nothing open at its final checkpoint.
+    common += ["run.steps=5", "run.checkpoint_every=2", "run.keep_checkpoints=2"]
+    _fit(tiny_task_model, tmp_path, "cut", *common)
+    step2 = tmp_path / "cut" / "checkpoints" / "step_000002"
+    cut = read_driver_state(step2).cut
+    resumed = _fit(tiny_task_model, tmp_path, "cut", *common, f"run.resume={step2}")
     ids, steps = trained_ids(resumed.run_dir)
     assert steps == [1, 2, 3, 4, 5]
     assert set(ids.values()) == {1} and len(ids) == 5 * 4 * 4
