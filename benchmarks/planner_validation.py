@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from sluice.config.models import TrainerConfig
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
 from sluice.sim.fit import fit_decode
@@ -242,7 +243,7 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
     per_token = statistics.mean(
         (s["step_s"] - s["wait_data_s"]) / (s["tokens"] + s["samples"] * lengths["prompt_len"]) for s in steps
     )
-    trainer = TrainerCost(token_s=per_token, micro_batch_tokens=10**9)
+    trainer = TrainerCost(token_s=per_token, micro_batch_tokens=TrainerConfig().micro_batch_tokens)
     # The engine: wall seconds per driven iteration (the rollout thread's rewards and queue writes
     # included) over the profile's fit at the run's mean running batch.
     engines = [run["engine"] for run in first["runs"]]
