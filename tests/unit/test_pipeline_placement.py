@@ -11,7 +11,8 @@ import pytest
 
 from fakes import FakeAlgorithm, length_reward
 from sluice.api import SamplingParams
-from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline, actor_cpu_share, queue_tasks
+from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
+from sluice.controller.ray_pipeline import RayPipeline, actor_cpu_share
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
 from sluice.trainer.column_task import ColumnTaskWorker

@@ -13,7 +13,8 @@ from typing import Any
 
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
-from sluice.controller.pipelines import LocalPipeline, PipelineSpec, RayPipeline
+from sluice.controller.pipelines import LocalPipeline, PipelineSpec
+from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.resume import checkpoint_due, restore_async, resume_controller, save_async_checkpoint
 from sluice.controller.staleness import StalenessGate
 from sluice.pipeline.run_dag import async_queue_tasks

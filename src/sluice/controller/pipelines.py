@@ -1,4 +1,4 @@
-"""Placement of the asynchronous pipeline's workers: in one process (``local``) or as Ray actors.
+"""Placement of the asynchronous pipeline's workers: the shared parts, and ``local`` (one process).
 
 Both build the same three parts — a TransferQueue, one ``RolloutWorker``, one ``TrainerWorker`` —
 plus a weight sync, and expose them through the ``AsyncPipeline`` verbs the controller drives.
@@ -6,13 +6,12 @@ Queue tasks after generation get a worker of their own: the reference log-probs 
 for PPO, the critic's values (with a second weight sync carrying the critic the trainer updates).
 ``local`` runs the rollout worker on the event loop and the trainer in a worker thread (torch
 releases the GIL in its kernels, so they overlap); ``ray`` gives each role its own actor and
-process. Nothing here decides what to run when.
+process (``controller/ray_pipeline.py``). Nothing here decides what to run when.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -109,8 +108,8 @@ class LocalPipeline(_Pipeline):
             self.queue.register_task(task, columns)
         self.weight_sync = InProcessWeightSync()
         critic_sync = InProcessWeightSync() if spec.critic is not None else None
-        self.rollout_worker = RolloutWorker(**_rollout_kwargs(spec, AsyncLocalQueue(self.queue)))
-        self.trainer = TrainerWorker(**_trainer_kwargs(spec, self.queue, self.weight_sync, critic_sync))
+        self.rollout_worker = RolloutWorker(**rollout_kwargs(spec, AsyncLocalQueue(self.queue)))
+        self.trainer = TrainerWorker(**trainer_kwargs(spec, self.queue, self.weight_sync, critic_sync))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-trainer")
         self._column_tasks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-column-task")
         self._served: list[Future[int]] = []
@@ -185,168 +184,6 @@ class LocalPipeline(_Pipeline):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
 
-class RayPipeline(_Pipeline):
-    """One Ray actor per role (rollout, trainer) plus the queue's storage and controller actors;
-    with ``data_parallel`` > 1, that many trainer actors form one process group, and each step's
-    groups are dealt to them by tokens (each to the rank with the fewest so far)."""
-
-    def __init__(self, spec: PipelineSpec, prompts: PromptStream, address: str | None = None) -> None:
-        import ray
-
-        from sluice.queue import RayQueue
-
-        super().__init__(spec, prompts)
-        ensure_ray(address)
-        self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec))
-        self.weight_sync, self.engine_weight_sync = weight_syncs(spec.fleet, f"sluice-weights-{os.getpid()}-{id(self)}")
-        over = spec.rollout_threads + spec.trainer_threads * spec.data_parallel > (os.cpu_count() or 1)
-        # Every actor must be placed at once (the trainer ranks meet in a rendezvous, the trainer
-        # waits on the reference worker), so they share the cluster's CPUs rather than queue for them.
-        share = actor_cpu_share(ray.cluster_resources().get("CPU", 1.0), spec)
-        rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over, share))
-        self.rollout_actor = rollout_cls.remote(**_rollout_kwargs(spec, self.queue.as_async()))
-        trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over, share))
-        self.critic_sync = None  # held here: the registry actor lives as long as this handle
-        if spec.critic is not None:
-            from sluice.weights import ObjectStoreWeightSync
-
-            self.critic_sync = ObjectStoreWeightSync(name=f"sluice-critic-{os.getpid()}-{id(self)}")
-        kwargs = _trainer_kwargs(spec, self.queue, self.weight_sync, self.critic_sync)
-        self.trainer_actors = [trainer_cls.remote(**kwargs) for _ in range(spec.data_parallel)]
-        self.trainer_actor = self.trainer_actors[0]  # rank 0: publishes weights, saves
-        if spec.data_parallel > 1:
-            meet = ray.get(self.trainer_actor.rendezvous_address.remote())
-            ray.get(
-                [a.join_data_parallel.remote(meet, r, spec.data_parallel) for r, a in enumerate(self.trainer_actors)]
-            )
-        self._group_tokens: dict[int, int] = {}
-        self._rank_tokens: list[int] = []
-        self._step_groups = 0
-        """Groups handed to the ranks this step: the next group's position in the step."""
-        self.reference_actor = None
-        self._served: list[Any] = []
-        """``serve`` calls of the column-task actors: they return only when the queue shuts down."""
-        if spec.algorithm.uses_reference:
-            reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True, share))
-            self.reference_actor = reference_cls.remote(spec.model_dir, self.queue, spec.engine_kwargs)
-            self._served.append(self.reference_actor.serve.remote())
-        self.critic_actor = None
-        if spec.critic is not None:
-            critic_cls: Any = ray.remote(CriticValuesWorker).options(**_actor_options(1, True, share))
-            self.critic_actor = critic_cls.remote(spec.model_dir, self.queue, spec.critic, self.critic_sync)
-            self._served.append(self.critic_actor.serve.remote())
-
-    async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
-        stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
-        prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
-        async for ref in stream:
-            report: GroupReport = await ref
-            # a group's training cost in the packed layout: its prompt once, then every response
-            self._group_tokens[report.group_id] = prompt_tokens[report.group_id] + report.response_tokens
-            yield report
-
-    async def abort_groups(self, group_ids: list[int], reason: str) -> None:
-        await self.rollout_actor.abort_groups.remote(group_ids, reason)
-
-    async def begin_step(self) -> None:
-        self._rank_tokens = [0 for _ in self.trainer_actors]
-        self._step_groups = 0
-        await asyncio.gather(*(a.begin_step.remote() for a in self.trainer_actors))
-
-    async def train_groups(self, group_ids: list[int]) -> None:
-        """Deal the groups to ranks, each to the one with the fewest tokens this step so far, with
-        its position in the step (the ranks cut PPO mini-batches over the step's order)."""
-        dealt: list[list[int]] = [[] for _ in self.trainer_actors]
-        positions: list[list[int]] = [[] for _ in self.trainer_actors]
-        for gid in group_ids:
-            rank = min(range(len(dealt)), key=lambda r: (self._rank_tokens[r], r))
-            dealt[rank].append(gid)
-            positions[rank].append(self._step_groups)
-            self._step_groups += 1
-            self._rank_tokens[rank] += self._group_tokens.pop(gid, 0)
-        calls = [
-            a.add_groups.remote(gids, where)
-            for a, gids, where in zip(self.trainer_actors, dealt, positions, strict=True)
-            if gids
-        ]
-        await self._unless_a_task_stopped(asyncio.gather(*calls))
-
-    async def _unless_a_task_stopped(self, work: Awaitable[Any]) -> None:
-        """Await ``work``, but raise if a column task stops first: the trainer would wait for its
-        column forever."""
-        running = asyncio.ensure_future(work)
-        served = [asyncio.ensure_future(_awaited(ref)) for ref in self._served]
-        try:
-            await asyncio.wait([running, *served], return_when=asyncio.FIRST_COMPLETED)
-            stopped = next((task for task in served if task.done()), None)
-            if stopped is not None and not running.done():
-                stopped.result()  # its error, if it failed
-                raise RuntimeError("a queue task's worker stopped while the trainer waited for its column")
-            await running
-        finally:
-            for task in served:
-                task.cancel()
-
-    async def finish_step(self) -> dict[str, float]:
-        """Every rank's optimizer step (they meet in the gradient all-reduce); rank 0 reports."""
-        results = await asyncio.gather(*(a.finish_step.remote() for a in self.trainer_actors))
-        return results[0]
-
-    async def sync_weights(self, version: int) -> dict[str, float]:
-        sync, mode = self.engine_weight_sync, self.spec.weight_update
-        metrics = await self.rollout_actor.load_version.remote(sync, version, mode)
-        await wait_engine_version(self.engine_stats, version)
-        self.engine_version = version
-        return metrics
-
-    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
-        return await self.rollout_actor.evaluate.remote(list(items), max_new_tokens)
-
-    async def engine_stats(self) -> dict[str, float]:
-        return await self.rollout_actor.engine_stats.remote()
-
-    async def trace_events(self) -> list[dict[str, Any]]:
-        actors = [self.rollout_actor, *self.trainer_actors]
-        parts = await asyncio.gather(*(a.drain_trace.remote() for a in actors))
-        return [e for part in parts for e in part]
-
-    async def save(self, path: str) -> None:
-        await self.trainer_actor.save.remote(path)
-
-    async def trained_ids(self) -> list[str]:
-        return await self.trainer_actor.trained_ids.remote()  # rank 0 holds every rank's
-
-    async def save_state(self, path: str) -> None:
-        await self.trainer_actor.save_state.remote(path)  # the ranks are replicas
-
-    async def load_state(self, path: str) -> int:
-        versions = await asyncio.gather(*(a.load_state.remote(path) for a in self.trainer_actors))
-        return versions[0]
-
-    async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
-        """((trainer version, checksum), (engine version, checksum)), each from its own actor; every
-        data-parallel rank must hold rank 0's weights."""
-        engine, *ranks = await asyncio.gather(
-            self.rollout_actor.weights_fingerprint.remote(),
-            *(a.weights_fingerprint.remote() for a in self.trainer_actors),
-        )
-        if any(r != ranks[0] for r in ranks):
-            raise RuntimeError(f"data-parallel trainer ranks diverged: (version, checksum) per rank {ranks}")
-        return ranks[0], engine
-
-    def close(self) -> None:
-        import ray
-
-        for handle in (self.rollout_actor, *self.trainer_actors, self.reference_actor, self.critic_actor):
-            if handle is not None:
-                ray.kill(handle)
-        self.queue.shutdown()
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref
-
-
 async def wait_engine_version(engine_stats: Callable[[], Awaitable[dict[str, float]]], version: int) -> None:
     """``defer`` swaps only after the running sequences drain: wait until the engine holds ``version``."""
     while (await engine_stats())["version"] < version:
@@ -382,7 +219,7 @@ def queue_tasks(spec: PipelineSpec) -> dict[str, tuple[str, ...]]:
     return tasks
 
 
-def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
+def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
     return {
         "model_dir": spec.model_dir,
         "queue": queue,
@@ -406,7 +243,7 @@ def _rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
     }
 
 
-def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync: Any = None) -> dict[str, Any]:
+def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync: Any = None) -> dict[str, Any]:
     return {
         "model_dir": spec.model_dir,
         "queue": queue,
@@ -421,36 +258,3 @@ def _trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_syn
         "critic": spec.critic,
         "critic_sync": critic_sync,
     }
-
-
-def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:
-    """Ray CPUs per actor so that rollout, every trainer rank, the reference and the critic's
-    values worker fit together."""
-    actors = 1 + spec.data_parallel + int(spec.algorithm.uses_reference) + int(spec.critic is not None)
-    return min(1.0, cluster_cpus / actors)
-
-
-def _actor_options(threads: int, oversubscribed: bool, cpus: float = 1.0) -> dict[str, Any]:
-    """``cpus`` (at most one) for Ray's placement bookkeeping; the real thread count goes to OpenMP."""
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    if oversubscribed:  # spinning OpenMP workers would steal cores from the other actor
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return {"num_cpus": cpus, "runtime_env": {"env_vars": env}}
-
-
-def ensure_ray(address: str | None) -> None:
-    """Join ``address``, or start one local Ray instance sized for this machine (once per process)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        return
-    ray.init(
-        address="local",
-        num_cpus=max(2, os.cpu_count() or 2),
-        include_dashboard=False,
-        object_store_memory=512 * 1024**2,
-        log_to_driver=False,
-    )
