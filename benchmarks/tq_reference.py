@@ -169,6 +169,7 @@ def stream(args, out: dict) -> None:
             for a in [prod, *cons]:
                 ray.kill(a)
             tq.get_client().clear_partition(pid)
+            time.sleep(args.settle)  # the killed actors' processes exit before the next clock runs
 
 
 def main() -> None:
@@ -188,6 +189,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--stream-mb", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--stream-timeout", type=float, default=180.0)
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds between stream configurations")
     args = ap.parse_args()
     lengths = make_lengths(args.rows, args.min_len, args.max_len, args.seed)
     rows = make_rows(lengths, args.seed)

@@ -8,7 +8,8 @@ Ray instance: the client in the driver, 2 storage units and the controllers in s
 - stream: 1 producer actor puts 4096 rows in chunks of 64 while 2 consumer actors read
   micro-batches of 8 and of 64, as one task ("split": each row to one consumer, like 2 DP
   groups) and as two tasks ("broadcast": each consumer gets every row); rows/s and latency from
-  the put call to the consumer holding the row;
+  the put call to the consumer holding the row; each configuration on a fresh sluice queue
+  holding only its own tasks;
 - floors: one trivial Ray actor round trip, and a plain memory copy of the bulk bytes.
 
 Every returned row is checked against what was put (content, row id, length). The reference is
@@ -80,7 +81,7 @@ def run_reference(python: Path, args: argparse.Namespace) -> dict:
     cmd = [str(python), str(work / "tq_reference.py")]
     for name in ("rows", "reps", "warmup", "lat_iters", "stream_rows"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    cmd += ["--stream-mb", *map(str, args.stream_mb)]
+    cmd += ["--stream-mb", *map(str, args.stream_mb), "--settle", str(args.settle)]
     env = {**os.environ, "PYTHONPATH": str(work)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -179,14 +180,15 @@ class Consumer:
                 return {"recv": recv, "lens": lens}
 
 
-def sluice_stream(q: RayQueue, args, out: dict) -> None:
+def sluice_stream(args, out: dict) -> None:
+    """Each configuration on a queue of its own (2 units, its 1 or 2 tasks' controllers): a put
+    notifies every controller whose task reads the column, and the workload has only these tasks."""
     lengths = make_lengths(args.stream_rows, 64, 2048, args.seed + 100)
     out["stream"] = {}
     for k, (mode, mb) in enumerate((m, b) for m in ("split", "broadcast") for b in args.stream_mb):
         part, base = Partition(k, args.stream_rows), 10_000_000 * (k + 1)
         tasks = [f"s{k}"] * 2 if mode == "split" else [f"s{k}a", f"s{k}b"]
-        for task in set(tasks):
-            q.register_task(task, [FIELD])
+        q = RayQueue.create(num_storage_units=2, tasks={task: [FIELD] for task in tasks})
         prod, cons = Producer.remote(), [Consumer.remote() for _ in range(2)]
         warm = [prod.ready.remote(q, base - 1)] + [
             c.ready.remote(q, t, part.id) for c, t in zip(cons, tasks, strict=True)
@@ -201,7 +203,8 @@ def sluice_stream(q: RayQueue, args, out: dict) -> None:
         out["stream"][label] = stream_summary(f"sluice {label}", mode == "split", results, put_start, lengths, t0)
         for actor in [prod, *cons]:
             ray.kill(actor)
-        q.clear(list(range(base, base + args.stream_rows)))
+        q.shutdown()
+        time.sleep(args.settle)  # the killed actors' processes exit before the next clock runs
 
 
 @ray.remote(num_cpus=0)
@@ -241,7 +244,7 @@ def run_sluice(args, rows) -> dict:
         sections = [
             ("bulk", lambda: sluice_bulk(q, args, rows, out)),
             ("small", lambda: sluice_small(q, args, rows, out)),
-            ("stream", lambda: sluice_stream(q, args, out)),
+            ("stream", lambda: sluice_stream(args, out)),
             ("floors", lambda: floors(rows, out)),
         ]
         for name, section in sections:
@@ -326,6 +329,7 @@ def main() -> None:
     ap.add_argument("--stream-chunk", type=int, default=64)
     ap.add_argument("--stream-mb", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds between stream configurations")
     ap.add_argument("--ref-venv", type=Path, default=Path("/tmp/sluice-tq-ref"))
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--quick", action="store_true", help="few repetitions, short stream (a smoke run)")

@@ -10,7 +10,7 @@ import random
 import pytest
 import ray
 
-from sluice.api import QueueClient
+from sluice.api import Partition, QueueClient
 from sluice.queue import QueueIterableDataset, RayQueue
 from unit import test_queue as shared
 from unit import test_queue_lifecycle as lifecycle
@@ -42,9 +42,26 @@ test_snapshot_restore_roundtrip = shared.test_snapshot_restore_roundtrip
 test_clear_frees_rows_consumed_by_every_task = shared.test_clear_frees_rows_consumed_by_every_task
 test_partition_tells_not_yet_from_done = lifecycle.test_partition_tells_not_yet_from_done
 test_shards_redistribute_dp2_to_dp4 = lifecycle.test_shards_redistribute_dp2_to_dp4
+test_partition_reaches_a_task_that_reads_only_a_later_column = (
+    lifecycle.test_partition_reaches_a_task_that_reads_only_a_later_column
+)
 test_token_balanced_policy_evens_micro_batches = lifecycle.test_token_balanced_policy_evens_micro_batches
 test_free_consumed_keeps_memory_bounded = lifecycle.test_free_consumed_keeps_memory_bounded
 test_restore_mid_stream_neither_loses_nor_repeats = lifecycle.test_restore_mid_stream_neither_loses_nor_repeats
+
+
+def test_a_put_notifies_only_the_tasks_that_read_its_columns(make_queue) -> None:
+    """Ten idle tasks cost a partitioned put nothing: only the reading task's controller is called."""
+    q = make_queue(2)
+    q.register_task("train", ["x"])
+    for k in range(10):
+        q.register_task(f"idle{k}", ["other"])
+    before = q.stats()["tasks"]
+    q.put(list(range(8)), {"x": [[i] for i in range(8)]}, partition=Partition(0, 8))
+    after = q.stats()["tasks"]
+    assert after["train"]["notifications"] == before["train"]["notifications"] + 2  # one per unit
+    assert all(after[t]["notifications"] == before[t]["notifications"] for t in after if t != "train")
+    assert q.get("train", ["x"], 8, partition=0, timeout=5).done
 
 
 def test_producers_and_consumers_in_ray_tasks(make_queue) -> None:

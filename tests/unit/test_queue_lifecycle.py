@@ -68,6 +68,18 @@ def test_partition_tells_not_yet_from_done(make_queue: MakeQueue) -> None:
         q.put([5], {"x": [[5]]}, partition=Partition(7, 6))
 
 
+def test_partition_reaches_a_task_that_reads_only_a_later_column(make_queue: MakeQueue) -> None:
+    """A task whose columns the partitioned put did not write learns the partition with its rows."""
+    q = make_queue()
+    q.register_task("score", ["y"])
+    q.put([0, 1], {"x": [[0], [1]]}, partition=Partition(3, 2))
+    early = q.get("score", ["y"], 2, partition=3, timeout=0)
+    assert len(early) == 0 and not early.done
+    q.put([0, 1], {"y": [[10], [11]]})  # no partition argument: the rows carry it
+    batch = q.get("score", ["y"], 2, partition=3, timeout=5)
+    assert batch.indices == (0, 1) and batch.done
+
+
 def test_shards_redistribute_dp2_to_dp4(make_queue: MakeQueue) -> None:
     q = make_queue()
     q.register_task("train", ["ids"])
@@ -274,3 +286,30 @@ def test_shm_arena_ring_never_overlaps_live_slots() -> None:
         assert arena.in_use() == len(live)
     finally:
         arena.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 4)), min_size=1, max_size=40))
+def test_partition_fifo_reads_match_a_scan_of_the_ready_rows(ops: list[tuple[int, int, int]]) -> None:
+    """The per-partition ready heaps give what the policy over every ready row would: the lowest
+    ready indices of the partition, all-or-nothing at ``min_size``, across interleaved partitions
+    and reads of the whole task."""
+    from sluice.queue.controller import TaskController
+
+    ctl, next_row, ready = TaskController("t", ["x"]), 0, {}
+    ctl.declare({0: 10**6, 1: 10**6})
+    for kind, a, b in ops:
+        if kind == 0:  # a put of a + 1 rows into partition b % 2
+            metas = [RowMeta(i, i, 0, 1, partition=b % 2) for i in range(next_row, next_row + a + 1)]
+            ctl.notify_ready(metas, ["x"])
+            ready.update((m.index, m.partition) for m in metas)
+            next_row += a + 1
+            continue
+        part = None if kind == 1 else b % 2
+        rows = sorted(i for i, p in ready.items() if part is None or p == part)
+        min_size = min(a, 3)
+        want = rows[: max(a, min_size)] if len(rows) >= min_size else None
+        got = ctl.select(["x"], max(a, min_size), "fifo", None, min_size, part)
+        assert (None if got is None else [m.index for m in got]) == want
+        for i in want or []:
+            del ready[i]

@@ -51,6 +51,7 @@ class PartitionState:
     tokens: dict[int, int] = field(default_factory=dict)  # row -> num_tokens, every row seen
     consumed: int = 0
     shards: dict[int, list[list[int]]] = field(default_factory=dict)  # shard count -> rows per shard
+    ready_heap: list[int] = field(default_factory=list)  # its ready rows (stale entries skipped): fifo reads
 
     def remaining(self) -> int | None:
         return None if self.expected is None else self.expected - self.consumed
@@ -89,6 +90,8 @@ class TaskController:
             if i in self._consumed:
                 continue
             if i in self._ready:
+                if m.partition >= 0 and m.partition != self._ready[i].partition:
+                    heapq.heappush(self._partitions.setdefault(m.partition, PartitionState()).ready_heap, i)
                 self._ready[i] = m
                 continue
             _, missing = self._pending.get(i, (m, None))
@@ -104,6 +107,8 @@ class TaskController:
                 self._pending.pop(i, None)
                 self._ready[i] = m
                 heapq.heappush(self._ready_heap, i)
+                if m.partition >= 0:
+                    heapq.heappush(self._partitions[m.partition].ready_heap, i)
                 changed = True
         if changed:
             self.wake()
@@ -141,8 +146,9 @@ class TaskController:
         if owed is not None:
             min_size = min(min_size, owed)
         full = indices is None and partition is None and columns_full(columns, self._inputs)
-        if full and resolve_policy(policy) is fifo_policy:  # the common read: no scan of every ready row
-            return self._take_fifo(batch_size, min_size)
+        plain = indices is None and shard is None and columns_full(columns, self._inputs)
+        if plain and resolve_policy(policy) is fifo_policy:  # the common read: no scan of every ready row
+            return self._take_fifo(batch_size, min_size, partition)
         candidates = self._candidates(set(columns), indices, partition)
         if len(candidates) < min_size:
             return None
@@ -162,22 +168,33 @@ class TaskController:
                 self._consume_in_partition(m.partition)
         return metas
 
-    def _take_fifo(self, batch_size: int, min_size: int) -> list[RowMeta] | None:
-        """``fifo_policy`` over all ready rows, from the heap of ready indices."""
-        if len(self._ready) < min_size:
-            return None
-        if len(self._ready_heap) > 2 * len(self._ready) + 64:  # mostly stale entries: rebuild
-            self._ready_heap = sorted(self._ready)
+    def _take_fifo(self, batch_size: int, min_size: int, partition: int | None) -> list[RowMeta] | None:
+        """``fifo_policy`` over the ready rows (of ``partition``), from a heap of ready indices."""
+        if partition is None:
+            if len(self._ready) < min_size:
+                return None
+            if len(self._ready_heap) > 2 * len(self._ready) + 64:  # mostly stale entries: rebuild
+                self._ready_heap = sorted(self._ready)
+            heap = self._ready_heap
+        else:
+            state = self._partitions.get(partition)
+            if state is None:
+                return None if min_size else []
+            heap = state.ready_heap
         metas: list[RowMeta] = []
-        heap = self._ready_heap
         while heap and len(metas) < batch_size:
-            i = heapq.heappop(heap)
-            m = self._ready.pop(i, None)
-            if m is not None:
+            m = self._ready.get(heapq.heappop(heap))
+            if m is not None and (partition is None or m.partition == partition):
                 metas.append(m)
-                self._consumed.add(i)
-                if m.partition >= 0:
-                    self._consume_in_partition(m.partition)
+        if len(metas) < min_size:  # only a partition read gets here: put its rows back and wait
+            for m in metas:
+                heapq.heappush(heap, m.index)
+            return None
+        for m in metas:
+            del self._ready[m.index]
+            self._consumed.add(m.index)
+            if m.partition >= 0:
+                self._consume_in_partition(m.partition)
         return metas
 
     def _consume_in_partition(self, pid: int) -> None:
@@ -186,6 +203,7 @@ class TaskController:
         if state.remaining() == 0:  # done: keep only the counts
             state.tokens.clear()
             state.shards.clear()
+            state.ready_heap.clear()
 
     def owed(self, partition: int | None, shard: Shard | None = None) -> int | None:
         """Rows of ``partition`` (or of its ``shard``) this task has still to consume; ``None``: unknown."""
@@ -284,6 +302,9 @@ class TaskController:
             pid: PartitionState(expected, {i: t for i, t in tokens}, consumed, {n: rows for n, rows in shards})
             for pid, expected, tokens, consumed, shards in state["partitions"]
         }
+        for i, m in sorted(self._ready.items()):
+            if m.partition >= 0:
+                self._partitions.setdefault(m.partition, PartitionState()).ready_heap.append(i)
         self.wake()
 
     def stats(self) -> dict[str, int]:

@@ -18,12 +18,14 @@ import contextlib
 import itertools
 import logging
 import os
+import pickle
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 
@@ -96,23 +98,51 @@ class _Connections(threading.local):
 _local = _Connections()
 
 
+def _connection(address: str) -> Connection:
+    """This thread's connection to ``address`` (a forked child must not share its parent's sockets)."""
+    if _local.pid != os.getpid():
+        _local.pid, _local.by_address = os.getpid(), {}
+    conn = _local.by_address.get(address)
+    if conn is None:
+        conn = _local.by_address[address] = Client(address, family="AF_UNIX")
+    return conn
+
+
 def call(address: str, method: str, *args: Any) -> Any:
     """``method(*args)`` on the object served at ``address``, from this thread's connection."""
-    conns = _local.by_address if _local.pid == os.getpid() else {}
-    if _local.pid != os.getpid():  # a forked child must not share its parent's sockets
-        _local.pid, _local.by_address = os.getpid(), conns
-    conn = conns.get(address)
-    if conn is None:
-        conn = conns[address] = Client(address, family="AF_UNIX")
+    return call_many([DirectCall(address, method, args)])[0]
+
+
+@dataclass(frozen=True)
+class DirectCall:
+    """One direct call, for ``fan_out``: ``method(*args)`` on the object served at ``address``."""
+
+    address: str
+    method: str
+    args: tuple[Any, ...]
+
+    def __call__(self) -> Any:
+        return call(self.address, self.method, *self.args)
+
+
+def call_many(calls: Sequence[DirectCall]) -> list[Any]:
+    """The calls' results, made concurrently from this thread: every request is sent before the
+    first reply is read (each server answers on its own thread), so no worker thread is woken."""
+    conns = [_connection(c.address) for c in calls]
     try:
-        conn.send((method, args))
-        ok, value = conn.recv()
-    except (EOFError, OSError):
-        conns.pop(address, None)
+        for conn, c in zip(conns, calls, strict=True):
+            conn.send((c.method, c.args))
+        replies = [conn.recv() for conn in conns]
+    except (EOFError, OSError, pickle.PicklingError):  # the connections' state is unknown: drop them
+        for c in calls:
+            dropped = _local.by_address.pop(c.address, None)
+            if dropped is not None:
+                dropped.close()
         raise
-    if not ok:
-        raise value
-    return value
+    for ok, value in replies:
+        if not ok:
+            raise value
+    return [value for _, value in replies]
 
 
 _node: tuple[int, str] | None = None
@@ -121,16 +151,25 @@ _pool_lock = threading.Lock()
 
 
 def fan_out(calls: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Run blocking calls concurrently (the first on this thread); results in order."""
+    """Run blocking calls concurrently; results in order. ``DirectCall`` s go out together from
+    this thread (``call_many``), any others run on a small thread pool meanwhile."""
     global _pool
-    if len(calls) <= 1:
-        return [c() for c in calls]
+    direct = [k for k, c in enumerate(calls) if isinstance(c, DirectCall)]
+    others = [k for k, c in enumerate(calls) if not isinstance(c, DirectCall)]
+    if not others:
+        return call_many([cast(DirectCall, calls[k]) for k in direct])
+    if len(calls) == 1:
+        return [calls[0]()]
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="queue-fan-out")
-    futures = [_pool.submit(c) for c in calls[1:]]
-    first = calls[0]()
-    return [first, *(f.result() for f in futures)]
+    first, rest = (others[0], others[1:]) if not direct else (None, others)
+    futures = {k: _pool.submit(calls[k]) for k in rest}
+    results: dict[int, Any] = dict(zip(direct, call_many([cast(DirectCall, calls[k]) for k in direct]), strict=True))
+    if first is not None:
+        results[first] = calls[first]()
+    results.update((k, f.result()) for k, f in futures.items())
+    return [results[k] for k in range(len(calls))]
 
 
 def this_node() -> str:

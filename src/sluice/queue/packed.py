@@ -157,6 +157,7 @@ def _pack_tensors(rows: Sequence[Any]) -> PackedColumn | None:
 
 
 META_FIELDS = 6
+PARTITION_FIELD = 5  # column of ``RowMeta.partition`` in a ``metas_to_array`` array
 """Columns of ``metas_to_array``: the fields of ``RowMeta`` in order."""
 
 

@@ -2,10 +2,11 @@
 
 Both are threaded actors (``max_concurrency``): a Ray call into a threaded actor costs about half
 as much as into an asyncio actor here, and a controller thread can wait for rows on an event
-without blocking other calls. A ``StorageActor`` stores writes and then notifies every
-registered controller before it acknowledges; with ``free_consumed`` it counts which tasks read
-each row and frees rows every task read. Unit 0 also starts the controllers, so the queue's
-actors share its owner's lifetime. Clients are in ``ray_backend``.
+without blocking other calls. A ``StorageActor`` stores writes and then, before it acknowledges,
+notifies the controller of every task that reads one of the written columns (a put costs one
+call per reading task, not one per registered task); with ``free_consumed`` it counts which
+tasks read each row and frees rows every task read. Unit 0 also starts the controllers, so the
+queue's actors share its owner's lifetime. Clients are in ``ray_backend``.
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import ray
 
 from sluice.api.queue import Partition
-from sluice.queue import direct, shm
+from sluice.queue import shm
 from sluice.queue.client import declare
 from sluice.queue.controller import TaskController
-from sluice.queue.direct import DirectServer, fan_out
+from sluice.queue.direct import DirectCall, DirectServer, fan_out
 from sluice.queue.lifecycle import ConsumptionLedger
-from sluice.queue.packed import array_to_metas, metas_to_array
+from sluice.queue.packed import PARTITION_FIELD, array_to_metas, metas_to_array
 from sluice.queue.request import ReadRequest, deadline_of, is_done, remaining, select
 from sluice.queue.storage import InMemoryStorageUnit, group_by_columns
 
@@ -44,6 +45,7 @@ class ControllerActor:
         self._ctl = TaskController(task, input_columns)
         self._lock = threading.Lock()
         self._closed = False
+        self._notifications = 0  # write notifications received: control-plane traffic
         self._direct = DirectServer(self)
 
     def endpoint(self) -> tuple[str, str]:
@@ -57,6 +59,7 @@ class ControllerActor:
         """``rows``: the written rows' metas (``metas_to_array``)."""
         metas = array_to_metas(rows)
         with self._lock:
+            self._notifications += 1
             self._ctl.declare(partitions)
             self._ctl.notify_ready(metas, columns)
 
@@ -95,7 +98,7 @@ class ControllerActor:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return self._ctl.stats()
+            return {**self._ctl.stats(), "notifications": self._notifications}
 
     def close(self) -> None:
         with self._lock:
@@ -107,7 +110,7 @@ class ControllerActor:
 
 
 class StorageActor:
-    """One storage unit as a threaded actor; notifies the controllers of writes (and of frees)."""
+    """One storage unit as a threaded actor; notifies the reading tasks' controllers of writes (and of frees)."""
 
     DIRECT_METHODS = ("write", "read", "release")
 
@@ -120,6 +123,7 @@ class StorageActor:
         self._controllers: dict[str, Any] = {}  # task -> controller handle, notified on writes
         self._direct_to: dict[str, str] = {}  # task -> its controller's direct address (same node only)
         self._inputs: dict[str, frozenset[str]] = {}  # task -> its input columns
+        self._told: dict[str, set[int]] = {}  # task -> partitions declared to its controller
         self._owned: dict[str, Any] = {}  # controllers this unit started (unit 0 only)
         self._partitions: dict[int, int] = {}
         self._ledger = ConsumptionLedger() if free_consumed else None
@@ -151,6 +155,7 @@ class StorageActor:
                 return
             self._controllers[task] = handle
             self._inputs[task] = inputs
+            self._told[task] = set(self._partitions)
             if node == self._node:
                 self._direct_to[task] = address
             groups = group_by_columns(self._unit.catalog()) if show_rows else {}
@@ -161,20 +166,31 @@ class StorageActor:
         ]
         ray.get(calls or [handle.notify_ready.remote(metas_to_array([]), [], partitions)])
 
-    def _notify(self, targets: list[tuple[str, Any]], rows: np.ndarray, names: list[str], declared: dict) -> None:
-        """Tell the controllers that read ``names`` (all, if a partition is declared) that ``rows``
-        now hold them: in parallel, directly when on this node."""
-        calls = []
-        for task, handle in targets:
-            if not declared and self._inputs[task].isdisjoint(names):
-                continue
+    def _notify(self, targets: list[tuple[str, Any, dict[int, int]]], rows: np.ndarray, names: list[str]) -> None:
+        """Tell the controllers (with the partitions each has not heard of) that ``rows`` now
+        hold ``names``: in parallel, directly when on this node."""
+        calls: list[Callable[[], Any]] = []
+        for task, handle, declared in targets:
             if task in self._direct_to:
-                calls.append(
-                    functools.partial(direct.call, self._direct_to[task], "notify_ready", rows, names, declared)
-                )
+                calls.append(DirectCall(self._direct_to[task], "notify_ready", (rows, names, declared)))
             else:
                 calls.append(functools.partial(ray.get, handle.notify_ready.remote(rows, names, declared)))
         fan_out(calls)
+
+    def _targets(self, names: list[str], partitions: set[int]) -> list[tuple[str, Any, dict[int, int]]]:
+        """The controllers whose task reads one of ``names``, each with the declarations of
+        ``partitions`` it has not received yet (a task that reads none of the columns learns of a
+        partition with its first rows, so a put costs one call per reading task, not per task).
+        Call under the lock."""
+        targets = []
+        for task, handle in self._controllers.items():
+            if self._inputs[task].isdisjoint(names):
+                continue
+            told = self._told[task]
+            new = {pid: self._partitions[pid] for pid in partitions - told if pid in self._partitions}
+            told.update(new)
+            targets.append((task, handle, new))
+        return targets
 
     def write(
         self, indices: list[int], columns: dict[str, Sequence[Any]], meta: np.ndarray | None, part: Partition | None
@@ -188,9 +204,10 @@ class StorageActor:
             if part is not None:
                 declare(self._partitions, part)
             metas = self._unit.write(indices, columns, None if meta is None else array_to_metas(meta))
-            targets = list(self._controllers.items())
-        wire = meta if meta is not None and len(metas) == len(indices) else metas_to_array(metas)
-        self._notify(targets, wire, list(columns), {} if part is None else {part.id: part.expected_rows})
+            wire = meta if meta is not None and len(metas) == len(indices) else metas_to_array(metas)
+            partitions = {int(p) for p in np.unique(wire[:, PARTITION_FIELD]) if p >= 0}
+            targets = self._targets(list(columns), partitions)
+        self._notify(targets, wire, list(columns))
 
     def read(self, indices: list[int], columns: list[str], task: str | None, via_shm: bool) -> dict[str, Any]:
         """The rows' columns (``via_shm``: packed ones in this unit's arena, freed by ``release``);
