@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
-from tq_workload import ForeignLoad, make_lengths, make_rows, stream_summary  # noqa: E402
+from tq_workload import ForeignLoad, make_lengths, make_rows, median_run, stream_summary  # noqa: E402
 
 FIELD = "prompt_ids"
 
@@ -152,24 +152,28 @@ def stream(args, out: dict) -> None:
     out["stream"] = {}
     for mode in ("split", "broadcast"):
         for mb in args.stream_mb:
-            pid = f"s_{mode}_{mb}"
-            prod, cons = Producer.remote(), [Consumer.remote() for _ in range(2)]
-            ray.get([a.ready.remote() for a in [prod, *cons]])
-            t_start = time.monotonic() + 1.0
-            split = mode == "split"
-            tasks = ["train", "train"] if split else ["task_a", "task_b"]
-            fut_p = prod.run.remote(pid, lengths, args.stream_chunk, args.seed + 200, t_start)
-            futs = [
-                c.run.remote(pid, t, mb, args.stream_rows, split, t_start, t_start + args.stream_timeout)
-                for c, t in zip(cons, tasks, strict=True)
-            ]
-            put_start, results = ray.get(fut_p), ray.get(futs)
-            label = f"{mode} mb={mb}"
-            out["stream"][label] = stream_summary(f"reference {label}", split, results, put_start, lengths, t_start)
-            for a in [prod, *cons]:
-                ray.kill(a)
-            tq.get_client().clear_partition(pid)
-            time.sleep(args.settle)  # the killed actors' processes exit before the next clock runs
+            runs = [stream_once(args, f"s_{mode}_{mb}_{rep}", mode, mb, lengths) for rep in range(args.stream_reps)]
+            out["stream"][f"{mode} mb={mb}"] = median_run(runs)
+
+
+def stream_once(args, pid: str, mode: str, mb: int, lengths: list[int]) -> dict:
+    prod, cons = Producer.remote(), [Consumer.remote() for _ in range(2)]
+    ray.get([a.ready.remote() for a in [prod, *cons]])
+    t_start = time.monotonic() + 1.0
+    split = mode == "split"
+    tasks = ["train", "train"] if split else ["task_a", "task_b"]
+    fut_p = prod.run.remote(pid, lengths, args.stream_chunk, args.seed + 200, t_start)
+    futs = [
+        c.run.remote(pid, t, mb, args.stream_rows, split, t_start, t_start + args.stream_timeout)
+        for c, t in zip(cons, tasks, strict=True)
+    ]
+    put_start, results = ray.get(fut_p), ray.get(futs)
+    summary = stream_summary(f"reference {mode} mb={mb}", split, results, put_start, lengths, t_start)
+    for a in [prod, *cons]:
+        ray.kill(a)
+    tq.get_client().clear_partition(pid)
+    time.sleep(args.settle)  # the killed actors' processes exit before the next clock runs
+    return summary
 
 
 def main() -> None:
@@ -189,7 +193,8 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--stream-mb", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--stream-timeout", type=float, default=180.0)
-    ap.add_argument("--settle", type=float, default=3.0, help="seconds between stream configurations")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds between stream runs")
+    ap.add_argument("--stream-reps", type=int, default=3, help="runs per stream configuration (median reported)")
     args = ap.parse_args()
     lengths = make_lengths(args.rows, args.min_len, args.max_len, args.seed)
     rows = make_rows(lengths, args.seed)

@@ -63,6 +63,12 @@ def stream_summary(
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput among repeated stream runs, with every run's numbers kept."""
+    middle = sorted(runs, key=lambda r: r["rows_per_s"])[len(runs) // 2]
+    return {**middle, "runs_rows_per_s": [r["rows_per_s"] for r in runs]}
+
+
 def _cpu_seconds() -> dict[int, tuple[float, int]]:
     """pid -> (user + system CPU seconds, parent pid) for every readable process."""
     tick = os.sysconf("SC_CLK_TCK")

@@ -8,8 +8,8 @@ Ray instance: the client in the driver, 2 storage units and the controllers in s
 - stream: 1 producer actor puts 4096 rows in chunks of 64 while 2 consumer actors read
   micro-batches of 8 and of 64, as one task ("split": each row to one consumer, like 2 DP
   groups) and as two tasks ("broadcast": each consumer gets every row); rows/s and latency from
-  the put call to the consumer holding the row; each configuration on a fresh sluice queue
-  holding only its own tasks;
+  the put call to the consumer holding the row; each configuration runs 3 times on both sides
+  (the median run reported), each sluice run on a fresh queue holding only its own tasks;
 - floors: one trivial Ray actor round trip, and a plain memory copy of the bulk bytes.
 
 Every returned row is checked against what was put (content, row id, length). The reference is
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
-from tq_workload import ForeignLoad, make_lengths, make_rows, pct, stream_summary
+from tq_workload import ForeignLoad, make_lengths, make_rows, median_run, pct, stream_summary
 
 from sluice.api import Partition
 from sluice.queue import RayQueue
@@ -82,6 +82,7 @@ def run_reference(python: Path, args: argparse.Namespace) -> dict:
     for name in ("rows", "reps", "warmup", "lat_iters", "stream_rows"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--stream-mb", *map(str, args.stream_mb), "--settle", str(args.settle)]
+    cmd += ["--stream-reps", str(args.stream_reps)]
     env = {**os.environ, "PYTHONPATH": str(work)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -181,30 +182,35 @@ class Consumer:
 
 
 def sluice_stream(args, out: dict) -> None:
-    """Each configuration on a queue of its own (2 units, its 1 or 2 tasks' controllers): a put
-    notifies every controller whose task reads the column, and the workload has only these tasks."""
+    """Each configuration ``--stream-reps`` times (the median run reported), each run on a queue of
+    its own (2 units, its 1 or 2 tasks' controllers): a put notifies every controller whose task
+    reads the column, and the workload has only these tasks."""
     lengths = make_lengths(args.stream_rows, 64, 2048, args.seed + 100)
     out["stream"] = {}
     for k, (mode, mb) in enumerate((m, b) for m in ("split", "broadcast") for b in args.stream_mb):
-        part, base = Partition(k, args.stream_rows), 10_000_000 * (k + 1)
-        tasks = [f"s{k}"] * 2 if mode == "split" else [f"s{k}a", f"s{k}b"]
-        q = RayQueue.create(num_storage_units=2, tasks={task: [FIELD] for task in tasks})
-        prod, cons = Producer.remote(), [Consumer.remote() for _ in range(2)]
-        warm = [prod.ready.remote(q, base - 1)] + [
-            c.ready.remote(q, t, part.id) for c, t in zip(cons, tasks, strict=True)
-        ]
-        ray.get(warm)  # started and connected before the clock runs
-        q.clear([base - 1])
-        t0 = time.monotonic() + 1.0
-        fut_p = prod.run.remote(q, part, base, lengths, args.stream_chunk, args.seed + 200, t0)
-        futs = [c.run.remote(q, t, part.id, base, mb, t0, 180.0) for c, t in zip(cons, tasks, strict=True)]
-        put_start, results = ray.get(fut_p), ray.get(futs)
         label = f"{mode} mb={mb}"
-        out["stream"][label] = stream_summary(f"sluice {label}", mode == "split", results, put_start, lengths, t0)
-        for actor in [prod, *cons]:
-            ray.kill(actor)
-        q.shutdown()
-        time.sleep(args.settle)  # the killed actors' processes exit before the next clock runs
+        runs = [stream_once(args, k, mode, mb, lengths) for _ in range(args.stream_reps)]
+        out["stream"][label] = median_run(runs)
+
+
+def stream_once(args, k: int, mode: str, mb: int, lengths: list[int]) -> dict:
+    part, base = Partition(k, args.stream_rows), 10_000_000 * (k + 1)
+    tasks = [f"s{k}"] * 2 if mode == "split" else [f"s{k}a", f"s{k}b"]
+    q = RayQueue.create(num_storage_units=2, tasks={task: [FIELD] for task in tasks})
+    prod, cons = Producer.remote(), [Consumer.remote() for _ in range(2)]
+    warm = [prod.ready.remote(q, base - 1)] + [c.ready.remote(q, t, part.id) for c, t in zip(cons, tasks, strict=True)]
+    ray.get(warm)  # started and connected before the clock runs
+    q.clear([base - 1])
+    t0 = time.monotonic() + 1.0
+    fut_p = prod.run.remote(q, part, base, lengths, args.stream_chunk, args.seed + 200, t0)
+    futs = [c.run.remote(q, t, part.id, base, mb, t0, 180.0) for c, t in zip(cons, tasks, strict=True)]
+    put_start, results = ray.get(fut_p), ray.get(futs)
+    summary = stream_summary(f"sluice {mode} mb={mb}", mode == "split", results, put_start, lengths, t0)
+    for actor in [prod, *cons]:
+        ray.kill(actor)
+    q.shutdown()
+    time.sleep(args.settle)  # the killed actors' processes exit before the next clock runs
+    return summary
 
 
 @ray.remote(num_cpus=0)
@@ -329,7 +335,8 @@ def main() -> None:
     ap.add_argument("--stream-chunk", type=int, default=64)
     ap.add_argument("--stream-mb", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--settle", type=float, default=3.0, help="seconds between stream configurations")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds between stream runs")
+    ap.add_argument("--stream-reps", type=int, default=3, help="runs per stream configuration (median reported)")
     ap.add_argument("--ref-venv", type=Path, default=Path("/tmp/sluice-tq-ref"))
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--quick", action="store_true", help="few repetitions, short stream (a smoke run)")
@@ -337,6 +344,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.reps, args.warmup, args.lat_iters, args.stream_rows, args.stream_mb = 3, 1, 50, 512, [8]
+        args.stream_reps, args.settle = 1, 0.5
     lengths = make_lengths(args.rows, 64, 2048, args.seed)
     rows = make_rows(lengths, args.seed)
     payload = sum(lengths) * 8

@@ -38,6 +38,7 @@ test_policies = shared.test_policies
 test_indices_restriction_and_timeout = shared.test_indices_restriction_and_timeout
 test_waiting_get_is_woken_by_writes_and_close = shared.test_waiting_get_is_woken_by_writes_and_close
 test_variable_length_roundtrip_multi_unit = shared.test_variable_length_roundtrip_multi_unit
+test_neighbouring_rows_share_a_unit = shared.test_neighbouring_rows_share_a_unit
 test_snapshot_restore_roundtrip = shared.test_snapshot_restore_roundtrip
 test_clear_frees_rows_consumed_by_every_task = shared.test_clear_frees_rows_consumed_by_every_task
 test_partition_tells_not_yet_from_done = lifecycle.test_partition_tells_not_yet_from_done
@@ -57,7 +58,7 @@ def test_a_put_notifies_only_the_tasks_that_read_its_columns(make_queue) -> None
     for k in range(10):
         q.register_task(f"idle{k}", ["other"])
     before = q.stats()["tasks"]
-    q.put(list(range(8)), {"x": [[i] for i in range(8)]}, partition=Partition(0, 8))
+    q.put(list(range(60, 68)), {"x": [[i] for i in range(8)]}, partition=Partition(0, 8))  # 2 blocks
     after = q.stats()["tasks"]
     assert after["train"]["notifications"] == before["train"]["notifications"] + 2  # one per unit
     assert all(after[t]["notifications"] == before[t]["notifications"] for t in after if t != "train")

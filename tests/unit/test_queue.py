@@ -207,6 +207,15 @@ def test_clear_frees_rows_consumed_by_every_task(make_queue: MakeQueue) -> None:
 # ---------------------------------------------------------------- in-process backend only
 
 
+def test_neighbouring_rows_share_a_unit(make_queue: MakeQueue) -> None:
+    """A small put of neighbouring rows lands on one unit; a large one spreads over all of them."""
+    q = make_queue(2)
+    q.put(list(range(8)), {"x": [[i] for i in range(8)]})
+    assert sorted(u["rows"] for u in q.stats()["units"]) == [0, 8]
+    q.put(list(range(100, 1124)), {"x": [[i] for i in range(1024)]})
+    assert sorted(u["rows"] for u in q.stats()["units"]) == [512, 8 + 512]
+
+
 def test_concurrent_producers_and_consumers_threads() -> None:
     q = LocalQueue(num_storage_units=2)
     q.register_task("train", ["tokens", "logp"])

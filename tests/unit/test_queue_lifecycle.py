@@ -245,13 +245,24 @@ def test_token_balanced_policy_includes_the_oldest_and_respects_size() -> None:
 
 
 def test_freed_rows_merge_into_ranges() -> None:
-    freed = FreedRows(stride=2)
+    freed = FreedRows(num_units=2)
     freed.add(range(1, 200, 2))  # every row of unit 1
     freed.add([401, 403])
     assert freed.num_ranges == 2 and 199 in freed and 201 not in freed and 403 in freed and 200 not in freed
     assert len(freed) == 102 and freed.indices()[:3] == [1, 3, 5]
-    with pytest.raises(ValueError, match="residues"):
+    with pytest.raises(ValueError, match="several units"):
         freed.add([2])
+
+
+def test_freed_rows_of_a_block_placed_unit() -> None:
+    """Unit 1 of 3 with blocks of 4 holds rows 4..7, 16..19, ...: one range, exact membership."""
+    freed = FreedRows(num_units=3, block=4)
+    rows = [i for i in range(0, 120) if (i // 4) % 3 == 1]
+    freed.add(rows)
+    assert freed.num_ranges == 1 and freed.indices() == rows
+    assert all((i in freed) == (i in set(rows)) for i in range(130))
+    with pytest.raises(ValueError, match="several units"):
+        freed.add([0])
 
 
 def test_docs_custom_task_example_runs() -> None:

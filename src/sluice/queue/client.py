@@ -61,7 +61,7 @@ class LocalQueue:
     ) -> None:
         if num_storage_units < 1:
             raise ValueError("num_storage_units must be >= 1")
-        make = unit_factory or (lambda: InMemoryStorageUnit(stride=num_storage_units))
+        make = unit_factory or (lambda: InMemoryStorageUnit(num_units=num_storage_units))
         self._units: list[StorageUnit] = [make() for _ in range(num_storage_units)]
         self._controllers: dict[str, TaskController] = {}
         self._partitions: dict[int, int] = {}  # declared partition id -> expected rows

@@ -19,25 +19,33 @@ from typing import Any
 
 
 class FreedRows:
-    """A set of row indices ``i`` stored as sorted, merged half-open ranges of ``i // stride``.
+    """A set of one storage unit's row indices, stored as sorted, merged half-open ranges of keys.
 
-    A storage unit that holds every ``stride``-th row (``stride`` = number of units) sees its own
-    rows as consecutive keys, so its freed rows still merge into a few ranges.
+    The unit holds blocks of ``block`` consecutive rows, every ``num_units``-th block
+    (``storage.unit_of``); ``key`` numbers its own rows consecutively, so its freed rows still
+    merge into a few ranges.
     """
 
-    def __init__(self, stride: int = 1) -> None:
-        self.stride = stride
-        self._offsets: set[int] = set()  # i % stride of the rows seen (one value for a storage unit)
+    def __init__(self, num_units: int = 1, block: int = 1) -> None:
+        self.num_units = num_units
+        self.block = block
+        self._units: set[int] = set()  # the unit of the rows seen (one value for a storage unit)
         self._starts: list[int] = []
         self._ends: list[int] = []
 
+    def _unit(self, i: int) -> int:
+        return (i // self.block) % self.num_units
+
+    def _key(self, i: int) -> int:
+        return i // (self.block * self.num_units) * self.block + i % self.block
+
     def add(self, indices: Iterable[int]) -> None:
         indices = list(indices)
-        self._offsets.update(i % self.stride for i in indices)
-        if len(self._offsets) > 1:
-            raise ValueError(f"FreedRows(stride={self.stride}) got rows of several residues {sorted(self._offsets)}")
+        self._units.update(self._unit(i) for i in indices)
+        if len(self._units) > 1:
+            raise ValueError(f"FreedRows({self.num_units} units) got rows of several units {sorted(self._units)}")
         run_start = run_end = None
-        for i in sorted({i // self.stride for i in indices}):
+        for i in sorted({self._key(i) for i in indices}):
             if run_end is not None and i == run_end:
                 run_end += 1
                 continue
@@ -57,9 +65,9 @@ class FreedRows:
         self._ends[lo:hi] = [end]
 
     def __contains__(self, i: object) -> bool:
-        if not isinstance(i, int) or (self._offsets and i % self.stride not in self._offsets):
+        if not isinstance(i, int) or (self._units and self._unit(i) not in self._units):
             return False
-        key = i // self.stride
+        key = self._key(i)
         k = bisect.bisect_right(self._starts, key) - 1
         return k >= 0 and key < self._ends[k]
 
@@ -72,8 +80,10 @@ class FreedRows:
 
     def indices(self) -> list[int]:
         """Every freed index, explicitly (for a checkpoint)."""
-        (offset,) = self._offsets or {0}
-        return [k * self.stride + offset for s, e in zip(self._starts, self._ends, strict=True) for k in range(s, e)]
+        (unit,) = self._units or {0}
+        b, stride = self.block, self.block * self.num_units
+        keys = (k for s, e in zip(self._starts, self._ends, strict=True) for k in range(s, e))
+        return [k // b * stride + unit * b + k % b for k in keys]
 
 
 class ConsumptionLedger:

@@ -114,10 +114,10 @@ class StorageActor:
 
     DIRECT_METHODS = ("write", "read", "release")
 
-    def __init__(self, stride: int, free_consumed: bool, shared_memory: bool = True) -> None:
+    def __init__(self, num_units: int, free_consumed: bool, shared_memory: bool = True) -> None:
         self._direct = DirectServer(self)
         self._node = str(ray.get_runtime_context().get_node_id())
-        self._unit = InMemoryStorageUnit(stride=stride)
+        self._unit = InMemoryStorageUnit(num_units=num_units)
         self._arena = shm.Arena() if shared_memory else None  # answers same-node reads
         self._lock = threading.Lock()
         self._controllers: dict[str, Any] = {}  # task -> controller handle, notified on writes

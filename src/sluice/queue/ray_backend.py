@@ -5,7 +5,7 @@
 its owner's lifetime) and registers it with every unit, which shows it the rows it already holds.
 Clients talk to controllers for metadata and to storage units for data, directly:
 
-- put: the client splits rows by ``index % num_units``, packs each unit's share of every
+- put: the client splits rows by unit (``storage.unit_of``), packs each unit's share of every
   variable-length column into one flat buffer plus offsets, and writes the units in parallel; a
   unit stores the buffers, then notifies every controller that reads those columns and only then
   acknowledges, so a put is visible to every task when it returns.
@@ -47,6 +47,7 @@ from sluice.queue.storage import (
     placement,
     select_rows,
     split_snapshot,
+    unit_of,
     with_partition,
 )
 
@@ -167,7 +168,7 @@ class RayQueue:
             part["partitions"] = state["partitions"]
             part["ledger"] = []
         for row in state["ledger"]:
-            parts[row[0] % len(self.units)]["ledger"].append(row)
+            parts[unit_of(row[0], len(self.units))]["ledger"].append(row)
         ray.get([unit.restore.remote(part) for unit, part in zip(self.units, parts, strict=True)])
         for task, ctl_state in state["tasks"].items():
             handle = ray.get(self.units[0].create_controller.remote(task, ctl_state["input_columns"]))

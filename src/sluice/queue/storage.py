@@ -7,8 +7,9 @@ slice of it. Anything else (scalars, strings, dicts, 2-D tensors) is kept as the
 buffer is freed when all its rows are dropped; dropped indices are remembered (``FreedRows``) and
 later writes to them are ignored. Reads of packed columns return one ``PackedColumn`` (the rows
 gathered into one new buffer), so bytes, not per-row objects, cross process boundaries; clients
-pack puts the same way and merge the units' reads (``merge_reads``). Rows live on unit
-``index % num_units`` (``placement``), so every client can compute a row's place without asking.
+pack puts the same way and merge the units' reads (``merge_reads``). Rows live in blocks of 64
+consecutive indices dealt round-robin over the units (``unit_of``), so every client can compute a
+row's place without asking, and a small put or get of neighbouring rows talks to one unit.
 
 It deliberately does not know tasks, readiness or consumption (controllers do), does no
 locking (the client serialises calls; on Ray the actor does), imports torch only to materialise
@@ -54,10 +55,10 @@ def _read_cells(cells: list[Any], alloc: Allocator | None) -> Sequence[Any]:
 class InMemoryStorageUnit:
     """Rows × columns in this process's memory (implements ``sluice.api.queue.StorageUnit``)."""
 
-    def __init__(self, stride: int = 1) -> None:
+    def __init__(self, num_units: int = 1) -> None:
         self._meta: dict[int, RowMeta] = {}
         self._cells: dict[str, dict[int, Any]] = {}
-        self._freed = FreedRows(stride)  # this unit holds every ``stride``-th row
+        self._freed = FreedRows(num_units, PLACEMENT_BLOCK)  # this unit holds every num_units-th block
         self.late_writes = 0  # rows written after they were freed, ignored
 
     def write(
@@ -167,15 +168,25 @@ def _take(values: Sequence[Any], positions: Sequence[int]) -> list[Any]:
     return [values[p] for p in positions]
 
 
+PLACEMENT_BLOCK = 64
+"""Rows stored together on one unit: a put or get of neighbouring rows (a producer's chunk, a GRPO
+group, a micro-batch) talks to one unit instead of all, while many blocks spread over the units."""
+
+
+def unit_of(index: int, num_units: int) -> int:
+    """The storage unit of row ``index``: blocks of ``PLACEMENT_BLOCK`` rows, dealt round-robin."""
+    return (index // PLACEMENT_BLOCK) % num_units
+
+
 def placement(indices: Sequence[int], num_units: int) -> dict[int, list[int]]:
-    """Positions in ``indices`` per storage unit (unit of row ``i`` is ``i % num_units``)."""
+    """Positions in ``indices`` per storage unit (``unit_of``)."""
     if not indices:
         return {}
     if num_units == 1:
         return {0: list(range(len(indices)))}
     out: dict[int, list[int]] = {}
     for pos, i in enumerate(indices):
-        out.setdefault(i % num_units, []).append(pos)
+        out.setdefault((i // PLACEMENT_BLOCK) % num_units, []).append(pos)
     return out
 
 
@@ -257,12 +268,12 @@ def split_snapshot(state: dict[str, Any], num_units: int) -> list[dict[str, Any]
     """The inverse of ``merge_snapshots`` for ``num_units`` units (which may differ), packed for the wire."""
     parts: list[dict[str, Any]] = [{"meta": [], "columns": {}, "freed": []} for _ in range(num_units)]
     for i in state.get("freed", []):
-        parts[i % num_units]["freed"].append(i)
+        parts[unit_of(i, num_units)]["freed"].append(i)
     for row in state["meta"]:
-        parts[row[0] % num_units]["meta"].append(row)
+        parts[unit_of(row[0], num_units)]["meta"].append(row)
     for name, col in state["columns"].items():
         for i, v in zip(col["indices"], col["values"], strict=True):
-            dst = parts[i % num_units]["columns"].setdefault(name, {"indices": [], "values": []})
+            dst = parts[unit_of(i, num_units)]["columns"].setdefault(name, {"indices": [], "values": []})
             dst["indices"].append(i)
             dst["values"].append(v)
     for part in parts:
