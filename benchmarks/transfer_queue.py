@@ -43,6 +43,7 @@ from tq_workload import ForeignLoad, make_lengths, make_rows, median_run, pct, s
 
 from sluice.api import Partition
 from sluice.queue import RayQueue
+from sluice.queue.storage import PLACEMENT_BLOCK
 
 FIELD = "prompt_ids"
 HERE = Path(__file__).resolve().parent
@@ -140,9 +141,10 @@ def sluice_small(q: RayQueue, args, rows, out: dict) -> None:
 
 @ray.remote(num_cpus=1)
 class Producer:
-    def ready(self, q: RayQueue, warm_index: int) -> bool:
-        """Connect and set up the transport before the clock runs (the reference's actors do in init)."""
-        q.put([warm_index], {FIELD: [torch.zeros(20_000, dtype=torch.int64)]})
+    def ready(self, q: RayQueue, warm: list[int]) -> bool:
+        """Connect and set up the transport before the clock runs (the reference's actors do in init);
+        the ``warm`` rows are big enough to travel through shared memory, one per unit per consumer."""
+        q.put(warm, {FIELD: [torch.zeros(20_000, dtype=torch.int64) for _ in warm]})
         return True
 
     def run(self, q: RayQueue, part: Partition, base: int, lengths: list[int], chunk: int, seed: int, t0: float):
@@ -159,9 +161,12 @@ class Producer:
 
 @ray.remote(num_cpus=1)
 class Consumer:
-    def ready(self, q: RayQueue, task: str, part: int) -> bool:
-        """Connect before the clock runs: a read of the (still unknown) partition returns at once."""
+    def ready(self, q: RayQueue, task: str, part: int, warm: list[int]) -> bool:
+        """Connect before the clock runs: a read of its ``warm`` rows (one on each unit) maps the
+        units' shared memory, and a read of the (still unknown) partition returns at once."""
         torch.zeros(1)  # rows arrive as tensors: load torch now, as the reference's actors do at init
+        if len(q.get(task, [FIELD], len(warm), indices=warm, timeout=30)) != len(warm):
+            raise RuntimeError("warm-up rows not served")
         return not q.get(task, [FIELD], 1, partition=part, timeout=0).done
 
     def run(self, q: RayQueue, task: str, part: int, base: int, mb: int, t0: float, timeout: float) -> dict:
@@ -198,9 +203,10 @@ def stream_once(args, k: int, mode: str, mb: int, lengths: list[int]) -> dict:
     tasks = [f"s{k}"] * 2 if mode == "split" else [f"s{k}a", f"s{k}b"]
     q = RayQueue.create(num_storage_units=2, tasks={task: [FIELD] for task in tasks})
     prod, cons = Producer.remote(), [Consumer.remote() for _ in range(2)]
-    warm = [prod.ready.remote(q, base - 1)] + [c.ready.remote(q, t, part.id) for c, t in zip(cons, tasks, strict=True)]
-    ray.get(warm)  # started and connected before the clock runs
-    q.clear([base - 1])
+    warm = [[base - 1024 + c, base - 1024 + PLACEMENT_BLOCK + c] for c in range(2)]  # 2 blocks: both units
+    ray.get(prod.ready.remote(q, warm[0] + warm[1]))
+    ray.get([c.ready.remote(q, t, part.id, w) for c, t, w in zip(cons, tasks, warm, strict=True)])
+    q.clear(warm[0] + warm[1])  # started and connected before the clock runs
     t0 = time.monotonic() + 1.0
     fut_p = prod.run.remote(q, part, base, lengths, args.stream_chunk, args.seed + 200, t0)
     futs = [c.run.remote(q, t, part.id, base, mb, t0, 180.0) for c, t in zip(cons, tasks, strict=True)]
