@@ -345,3 +345,26 @@ def test_policies_choose_valid_subsets(rows: list[RowMeta], batch_size: int) -> 
     assert all(chosen_groups.count(g) == 2 for g in chosen_groups)  # exactly group_size rows per group
     complete = {m.group_id for m in rows if sum(r.group_id == m.group_id for r in rows) >= 2}
     assert len(chosen_groups) == min(2 * len(complete), batch_size - batch_size % 2)
+
+
+def test_gather_copies_runs_and_keeps_every_row() -> None:
+    """``gather`` copies neighbouring rows of one buffer as one slice; rows of equal content from
+    another buffer, repeats and reversals still come out row for row."""
+    import torch
+
+    from sluice.queue.packed import PackedColumn, gather
+
+    rng = random.Random(0)
+    tensors = [PackedColumn.from_rows([torch.arange(rng.randint(0, 9)) for _ in range(50)]) for _ in range(2)]
+    tensors.append(PackedColumn.from_rows(list(tensors[0])))  # equal rows, another buffer
+    lists = [PackedColumn.from_rows([[rng.random() for _ in range(rng.randint(0, 5))] for _ in range(50)])]
+    for trial in range(200):
+        group = tensors if trial % 2 else lists
+        pieces = []
+        for _ in range(rng.randint(0, 30)):
+            col, start = rng.choice(group), rng.randrange(50)
+            run = range(start, min(50, start + rng.randint(1, 6)))
+            pieces += [(col, p) for p in (reversed(run) if rng.random() < 0.2 else run)]
+        got, want = list(gather(pieces, group[0])), [col[p] for col, p in pieces]
+        assert len(got) == len(want)
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want, strict=True))

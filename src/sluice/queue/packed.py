@@ -130,11 +130,26 @@ def gather(
     pieces: Sequence[tuple[PackedColumn, int]], like: PackedColumn, alloc: Allocator | None = None
 ) -> PackedColumn:
     """One new ``PackedColumn`` of the rows ``(column, position)``, in order (all compatible with ``like``);
-    its buffer comes from ``alloc`` when that gives one."""
-    parts = [c.values[int(c.offsets[p]) : int(c.offsets[p + 1])] for c, p in pieces]
-    offsets = offsets_of([len(p) for p in parts])
-    if not parts:
-        return PackedColumn(like.values[:0], offsets, like.kind, like.dtype)
+    its buffer comes from ``alloc`` when that gives one. Neighbouring rows of one column are copied
+    as one slice (a put's rows are read back in runs, so a 1024-row read is a few copies)."""
+    if not pieces:
+        return PackedColumn(like.values[:0], offsets_of([]), like.kind, like.dtype)
+    parts: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    k = 0
+    while k < len(pieces):
+        col, start = pieces[k]
+        end = start + 1
+        while k + end - start < len(pieces):
+            nxt_col, nxt = pieces[k + end - start]
+            if nxt_col is not col or nxt != end:  # identity: equal rows of another buffer are not a run
+                break
+            end += 1
+        bounds = col.offsets[start : end + 1]
+        parts.append(col.values[int(bounds[0]) : int(bounds[-1])])
+        lengths.append(np.diff(bounds))
+        k += end - start
+    offsets = offsets_of(np.concatenate(lengths))
     raw = alloc(int(offsets[-1]) * like.values.itemsize) if alloc is not None else None
     if raw is None:
         return PackedColumn(np.concatenate(parts), offsets, like.kind, like.dtype)
