@@ -26,7 +26,7 @@ from typing import Any
 
 from sluice.api.queue import Batch, Partition, Policy, RowMeta, Shard, StorageUnit
 from sluice.queue.controller import TaskController, Waiter
-from sluice.queue.lifecycle import ConsumptionLedger
+from sluice.queue.lifecycle import ConsumptionLedger, common_rows
 from sluice.queue.request import (
     ReadRequest,
     check_put,
@@ -182,7 +182,7 @@ class LocalQueue:
         with self._lock:
             if indices is None:
                 consumed = [ctl.consumed for ctl in self._controllers.values()]
-                indices = sorted(set.intersection(*consumed)) if consumed else []
+                indices = common_rows(consumed)
             return self._free(indices)
 
     def snapshot(self) -> dict[str, Any]:

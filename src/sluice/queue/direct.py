@@ -152,22 +152,18 @@ _pool_lock = threading.Lock()
 
 def fan_out(calls: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run blocking calls concurrently; results in order. ``DirectCall`` s go out together from
-    this thread (``call_many``), any others run on a small thread pool meanwhile."""
+    this thread (``call_many``); any others run on a small thread pool meanwhile."""
     global _pool
-    direct = [k for k, c in enumerate(calls) if isinstance(c, DirectCall)]
-    others = [k for k, c in enumerate(calls) if not isinstance(c, DirectCall)]
-    if not others:
-        return call_many([cast(DirectCall, calls[k]) for k in direct])
     if len(calls) == 1:
         return [calls[0]()]
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="queue-fan-out")
-    first, rest = (others[0], others[1:]) if not direct else (None, others)
-    futures = {k: _pool.submit(calls[k]) for k in rest}
-    results: dict[int, Any] = dict(zip(direct, call_many([cast(DirectCall, calls[k]) for k in direct]), strict=True))
-    if first is not None:
-        results[first] = calls[first]()
+    direct = [k for k, c in enumerate(calls) if isinstance(c, DirectCall)]
+    futures = {}
+    if len(direct) < len(calls):
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="queue-fan-out")
+        futures = {k: _pool.submit(c) for k, c in enumerate(calls) if not isinstance(c, DirectCall)}
+    results = dict(zip(direct, call_many([cast(DirectCall, calls[k]) for k in direct]), strict=True))
     results.update((k, f.result()) for k, f in futures.items())
     return [results[k] for k in range(len(calls))]
 

@@ -18,6 +18,11 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 
+def common_rows(consumed: Sequence[set[int]]) -> list[int]:
+    """Rows every task consumed (none if no task is registered)."""
+    return sorted(set.intersection(*consumed)) if consumed else []
+
+
 class FreedRows:
     """A set of one storage unit's row indices, stored as sorted, merged half-open ranges of keys.
 

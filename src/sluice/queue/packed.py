@@ -88,10 +88,9 @@ class PackedColumn(Sequence[Any]):
         import torch
 
         dtype = getattr(torch, self.dtype)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
         a, b = int(self.offsets[start]), int(self.offsets[stop])
         flat = torch.from_numpy(self.values[a:b].copy()).view(dtype) if b > a else torch.empty(0, dtype=dtype)
-        return list(torch.split(flat, (np.diff(self.offsets[start : stop + 1]) // itemsize).tolist()))
+        return list(torch.split(flat, (np.diff(self.offsets[start : stop + 1]) // dtype.itemsize).tolist()))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, str):

@@ -38,6 +38,7 @@ import ray
 from sluice.api.queue import Batch, Partition, Policy, RowMeta, Shard
 from sluice.queue import direct, shm
 from sluice.queue.direct import DirectCall, fan_out, this_node
+from sluice.queue.lifecycle import common_rows
 from sluice.queue.packed import array_to_metas, metas_to_array
 from sluice.queue.ray_actors import _Storage
 from sluice.queue.request import ReadRequest, check_put
@@ -395,8 +396,3 @@ class AsyncRayQueue:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.queue.close)
-
-
-def common_rows(consumed: Sequence[set[int]]) -> list[int]:
-    """Rows every task consumed (none if no task is registered)."""
-    return sorted(set.intersection(*consumed)) if consumed else []
