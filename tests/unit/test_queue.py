@@ -368,3 +368,40 @@ def test_gather_copies_runs_and_keeps_every_row() -> None:
         got, want = list(gather(pieces, group[0])), [col[p] for col, p in pieces]
         assert len(got) == len(want)
         assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want, strict=True))
+
+
+def test_meta_rows_behave_as_a_tuple_of_row_metas() -> None:
+    from sluice.queue.packed import MetaRows, metas_to_array
+
+    metas = [RowMeta(i, i // 2, i % 3, 10 + i, group_size=2, partition=i % 2 - 1) for i in range(7)]
+    rows = MetaRows(metas_to_array(metas))
+    assert rows == metas and rows == tuple(metas) and list(rows) == metas
+    assert rows[3] == metas[3] and rows[2:5] == metas[2:5] and rows.take([6, 0]) == [metas[6], metas[0]]
+    assert rows.indices() == list(range(7)) and rows != metas[:6]
+
+
+def test_tensor_rows_pack_into_the_allocators_buffer() -> None:
+    import numpy as np
+
+    given: list[np.ndarray] = []
+
+    def alloc(nbytes: int) -> np.ndarray:
+        given.append(np.zeros(nbytes + 16, dtype=np.uint8)[8 : 8 + nbytes])
+        return given[-1]
+
+    rows = [torch.arange(n, dtype=torch.int64) for n in (3, 0, 5)]
+    packed = PackedColumn.from_rows(rows, alloc)
+    assert packed is not None and len(given) == 1 and packed.values is given[0]  # no second buffer
+    assert all(torch.equal(a, b) for a, b in zip(packed, rows, strict=True))
+
+
+def test_storage_cell_switches_between_packed_and_object_values() -> None:
+    unit = InMemoryStorageUnit()
+    unit.write([0, 1], {"x": [[1, 2], [3]]})
+    unit.write([1], {"x": ["text"]})  # not packable: row 1 becomes an object cell
+    assert list(unit.read([0, 1], ["x"])["x"]) == [[1, 2], "text"]
+    unit.write([1], {"x": [[4, 5, 6]]})  # packed again
+    got = unit.read([0, 1], ["x"])["x"]
+    assert isinstance(got, PackedColumn) and list(got) == [[1, 2], [4, 5, 6]]
+    assert unit.stats()["columns"] == {"x": 2}
+    assert sorted(unit.catalog(), key=lambda c: c[0].index) == [(RowMeta(0, 0, 0, 0), ("x",)), (RowMeta(1, 1, 0, 0), ("x",))]

@@ -74,7 +74,7 @@ class Batch:
 
     indices: tuple[int, ...]
     columns: dict[str, Sequence[Any]]
-    meta: tuple[RowMeta, ...]
+    meta: Sequence[RowMeta]  # a tuple, or the queue's lazy ``MetaRows``
     done: bool = False
 
     def __len__(self) -> int:
@@ -197,7 +197,7 @@ class StorageUnit(Protocol):
 
     def write(
         self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
-    ) -> list[RowMeta]:
+    ) -> Sequence[RowMeta]:
         """Store the values; returns the ``RowMeta`` of every written row (a default for new rows)."""
         ...
 

@@ -27,6 +27,7 @@ from typing import Any
 from sluice.api.queue import Batch, Partition, Policy, RowMeta, Shard, StorageUnit
 from sluice.queue.controller import TaskController, Waiter
 from sluice.queue.lifecycle import ConsumptionLedger, common_rows
+from sluice.queue.packed import MetaRows, meta_array
 from sluice.queue.request import (
     ReadRequest,
     check_put,
@@ -94,12 +95,13 @@ class LocalQueue:
         if partition is not None:
             meta = with_partition(indices, meta, partition)
         names = list(columns)
+        metas = None if meta is None else meta_array(meta)
         shares = [  # packed outside the lock
             (
                 unit,
                 [indices[p] for p in positions],
                 select_rows(columns, positions, pack=True),
-                None if meta is None else [meta[p] for p in positions],
+                None if metas is None else MetaRows(metas[positions]),
             )
             for unit, positions in placement(indices, len(self._units)).items()
         ]
@@ -109,9 +111,9 @@ class LocalQueue:
                 for ctl in self._controllers.values():
                     ctl.declare({partition.id: partition.expected_rows})
             for unit, sub_indices, sub_columns, sub_meta in shares:
-                metas = self._units[unit].write(sub_indices, sub_columns, sub_meta)
+                written = self._units[unit].write(sub_indices, sub_columns, sub_meta)
                 for ctl in self._controllers.values():
-                    ctl.notify_ready(metas, names)
+                    ctl.notify_ready(written, names)
 
     def get(
         self,

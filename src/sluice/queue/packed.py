@@ -21,6 +21,13 @@ import numpy as np
 from sluice.api.queue import RowMeta
 
 
+def _equal_rows(self: Sequence[Any], other: object) -> bool:
+    """Row-wise equality with any sequence (the ``__eq__`` of the queue's lazy row containers)."""
+    if not isinstance(other, Sequence) or isinstance(other, str):
+        return NotImplemented
+    return len(self) == len(other) and list(self) == list(other)
+
+
 class PackedColumn(Sequence[Any]):
     """Variable-length numeric rows without padding: one flat buffer plus offsets.
 
@@ -40,13 +47,14 @@ class PackedColumn(Sequence[Any]):
         self.dtype = dtype  # torch dtype name for "tensor", else ""
 
     @staticmethod
-    def from_rows(rows: Sequence[Any]) -> PackedColumn | None:
-        """The packed form of ``rows``, or ``None`` if they are not 1-D numeric rows of one kind."""
+    def from_rows(rows: Sequence[Any], alloc: Allocator | None = None) -> PackedColumn | None:
+        """The packed form of ``rows``, or ``None`` if they are not 1-D numeric rows of one kind;
+        tensor rows are concatenated straight into ``alloc``'s buffer when it gives one."""
         if isinstance(rows, PackedColumn):
             return rows
         if not rows:
             return None
-        return _pack_sequences(rows) or _pack_tensors(rows)
+        return _pack_sequences(rows) or _pack_tensors(rows, alloc)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -92,11 +100,7 @@ class PackedColumn(Sequence[Any]):
         flat = torch.from_numpy(self.values[a:b].copy()).view(dtype) if b > a else torch.empty(0, dtype=dtype)
         return list(torch.split(flat, (np.diff(self.offsets[start : stop + 1]) // dtype.itemsize).tolist()))
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, str):
-            return NotImplemented
-        return len(self) == len(other) and list(self) == list(other)
-
+    __eq__ = _equal_rows
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
@@ -173,17 +177,26 @@ def _pack_sequences(rows: Sequence[Any]) -> PackedColumn | None:
     return PackedColumn(buf, offsets_of([len(v) for v in rows]), kind.__name__)
 
 
-def _pack_tensors(rows: Sequence[Any]) -> PackedColumn | None:
+def _pack_tensors(rows: Sequence[Any], alloc: Allocator | None) -> PackedColumn | None:
     torch = sys.modules.get("torch")  # a tensor can only be here if torch is loaded
     if torch is None:
         return None
-    dtype = getattr(rows[0], "dtype", None)
-    if not all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype == dtype for v in rows):
+    tensor, dtype = torch.Tensor, getattr(rows[0], "dtype", None)
+    if not all(isinstance(v, tensor) and v.dim() == 1 and v.dtype == dtype for v in rows):
         return None
-    plain = all(not v.requires_grad and v.device.type == "cpu" for v in rows)
-    flat = torch.cat(rows if plain else [v.detach().cpu() for v in rows])  # fresh: its numpy view shares nothing
-    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, dtype=np.uint8)
-    return PackedColumn(raw, offsets_of([v.numel() * v.element_size() for v in rows]), "tensor", str(dtype)[6:])
+    if not all(v.is_cpu and not v.requires_grad for v in rows):
+        rows = [v.detach().cpu() for v in rows]
+    itemsize = rows[0].element_size()
+    offsets = offsets_of(np.fromiter(map(tensor.numel, rows), dtype=np.int64, count=len(rows)) * itemsize)
+    nbytes = int(offsets[-1])
+    raw = alloc(nbytes) if alloc is not None and nbytes else None
+    if raw is not None:  # no fresh pages to fault in, no second copy to send it
+        torch.cat(rows, out=torch.from_numpy(raw).view(dtype))
+    elif nbytes:
+        raw = torch.cat(rows).view(torch.uint8).numpy()  # fresh: its numpy view shares nothing
+    else:
+        raw = np.zeros(0, dtype=np.uint8)
+    return PackedColumn(raw, offsets, "tensor", str(dtype)[6:])
 
 
 META_FIELDS = 6
@@ -204,3 +217,51 @@ def metas_to_array(metas: Sequence[RowMeta]) -> np.ndarray:
 def array_to_metas(rows: np.ndarray) -> list[RowMeta]:
     """The inverse of ``metas_to_array``."""
     return [RowMeta(*r) for r in rows.tolist()]
+
+
+def meta_array(metas: Sequence[RowMeta]) -> np.ndarray:
+    """``metas_to_array``, free for a ``MetaRows``."""
+    return metas.array if isinstance(metas, MetaRows) else metas_to_array(metas)
+
+
+class MetaRows(Sequence[RowMeta]):
+    """Row metas kept as one ``metas_to_array`` array; a ``RowMeta`` is made when a row is accessed.
+
+    What a Ray ``get`` returns as ``Batch.meta`` and what storage units store and notify: making a
+    thousand ``RowMeta`` objects costs about a millisecond, which a caller that only needs the
+    indices or forwards the metas never pays. Compares equal to any sequence with equal metas.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array  # int64 [rows, META_FIELDS]
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    @overload
+    def __getitem__(self, k: int) -> RowMeta: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> MetaRows: ...
+
+    def __getitem__(self, k: int | slice) -> RowMeta | MetaRows:
+        if isinstance(k, slice):
+            return MetaRows(self.array[k])
+        return RowMeta(*self.array[k].tolist())
+
+    def __iter__(self) -> Iterator[RowMeta]:
+        return iter(array_to_metas(self.array))
+
+    def indices(self) -> list[int]:
+        return self.array[:, 0].tolist()
+
+    def take(self, positions: Sequence[int]) -> MetaRows:
+        return MetaRows(self.array[list(positions)])
+
+    __eq__ = _equal_rows
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"MetaRows({len(self)} rows)"

@@ -26,7 +26,7 @@ from sluice.queue.client import declare
 from sluice.queue.controller import TaskController
 from sluice.queue.direct import DirectCall, DirectServer, fan_out
 from sluice.queue.lifecycle import ConsumptionLedger
-from sluice.queue.packed import PARTITION_FIELD, array_to_metas, metas_to_array
+from sluice.queue.packed import PARTITION_FIELD, MetaRows, array_to_metas, metas_to_array
 from sluice.queue.request import ReadRequest, deadline_of, is_done, remaining, select
 from sluice.queue.storage import InMemoryStorageUnit, group_by_columns
 
@@ -57,7 +57,7 @@ class ControllerActor:
 
     def notify_ready(self, rows: np.ndarray, columns: list[str], partitions: dict[int, int]) -> None:
         """``rows``: the written rows' metas (``metas_to_array``)."""
-        metas = array_to_metas(rows)
+        metas = array_to_metas(rows)  # made outside the lock
         with self._lock:
             self._notifications += 1
             self._ctl.declare(partitions)
@@ -203,8 +203,7 @@ class StorageActor:
         with self._lock:
             if part is not None:
                 declare(self._partitions, part)
-            metas = self._unit.write(indices, columns, None if meta is None else array_to_metas(meta))
-            wire = meta if meta is not None and len(metas) == len(indices) else metas_to_array(metas)
+            wire = self._unit.write(indices, columns, None if meta is None else MetaRows(meta)).array
             partitions = {int(p) for p in np.unique(wire[:, PARTITION_FIELD]) if p >= 0}
             targets = self._targets(list(columns), partitions)
         self._notify(targets, wire, list(columns))

@@ -39,7 +39,7 @@ from sluice.api.queue import Batch, Partition, Policy, RowMeta, Shard
 from sluice.queue import direct, shm
 from sluice.queue.direct import DirectCall, fan_out, this_node
 from sluice.queue.lifecycle import common_rows
-from sluice.queue.packed import array_to_metas, metas_to_array
+from sluice.queue.packed import MetaRows, meta_array
 from sluice.queue.ray_actors import _Storage
 from sluice.queue.request import ReadRequest, check_put
 from sluice.queue.storage import (
@@ -138,7 +138,7 @@ class RayQueue:
             rows, done = direct.call(address, "select", req, timeout)
         else:
             rows, done = ray.get(self._controller(task).select.remote(req, timeout))
-        metas = array_to_metas(rows)
+        metas = MetaRows(rows)
         positions, calls = self.read_calls(task, metas, req.columns)
         parts = dict(zip(calls, fan_out(list(calls.values())), strict=True))
         return self.assemble(metas, positions, parts, req.columns, done)
@@ -257,25 +257,28 @@ class RayQueue:
         if partition is not None:
             meta = with_partition(indices, meta, partition)
         shares, slots = [], []
+        metas = None if meta is None else meta_array(meta)
         for unit, positions in placement(indices, len(self.units)).items():
-            sub_meta = None if meta is None else metas_to_array([meta[p] for p in positions])
+            sub_meta = None if metas is None else metas[positions]
             sub_indices = [indices[p] for p in positions]
-            sub_columns = select_rows(columns, positions, pack=True)  # numpy buffers on the wire, not int objects
-            if self._local(unit):
+            local = self._local(unit)
+            # numpy buffers on the wire, not int objects; on this node packed straight into the arena
+            sub_columns = select_rows(columns, positions, pack=True, alloc=shm.outbox().buffer_for if local else None)
+            if local:
                 sub_columns, used = shm.to_wire(sub_columns, shm.outbox())
                 slots += used
             shares.append((unit, (sub_indices, sub_columns, sub_meta, partition)))
         return shares, slots
 
     def read_refs(
-        self, task: str, metas: Sequence[RowMeta], columns: Sequence[str]
+        self, task: str, metas: MetaRows, columns: Sequence[str]
     ) -> tuple[dict[int, list[int]], dict[int, Any]]:
         """Positions per unit and one Ray read call per unit for the chosen rows."""
         positions, args = self._read_args(task, metas, columns)
         return positions, {u: self.units[u].read.remote(*a) for u, a in args.items()}
 
     def read_calls(
-        self, task: str, metas: Sequence[RowMeta], columns: Sequence[str]
+        self, task: str, metas: MetaRows, columns: Sequence[str]
     ) -> tuple[dict[int, list[int]], dict[int, Callable[[], Any]]]:
         """``read_refs`` as blocking calls: direct to same-node units, through Ray otherwise."""
         positions, args = self._read_args(task, metas, columns)
@@ -288,9 +291,9 @@ class RayQueue:
         return positions, calls
 
     def _read_args(
-        self, task: str, metas: Sequence[RowMeta], columns: Sequence[str]
+        self, task: str, metas: MetaRows, columns: Sequence[str]
     ) -> tuple[dict[int, list[int]], dict[int, tuple[Any, ...]]]:
-        chosen = [m.index for m in metas]
+        chosen = metas.indices()
         positions = placement(chosen, len(self.units))
         release = task if self.free_consumed else None
         args = {u: ([chosen[p] for p in pos], list(columns), release, self._local(u)) for u, pos in positions.items()}
@@ -298,7 +301,7 @@ class RayQueue:
 
     def assemble(
         self,
-        metas: Sequence[RowMeta],
+        metas: MetaRows,
         positions: dict[int, list[int]],
         parts: dict[int, Any],
         columns: Sequence[str],
@@ -312,7 +315,7 @@ class RayQueue:
             used[unit] = [s for seg in by_segment.values() for s in seg]
         data = merge_reads(local, positions, columns, len(metas))  # copies out of the arenas
         self._release({unit: slots for unit, slots in used.items() if slots})
-        return Batch(indices=tuple(m.index for m in metas), columns=data, meta=tuple(metas), done=done)
+        return Batch(indices=tuple(metas.indices()), columns=data, meta=metas, done=done)
 
     def _release(self, slots: dict[int, list[int]]) -> None:
         """Give the units' arena slots back: direct calls on their node, all at once (~60 us against
@@ -377,7 +380,7 @@ class AsyncRayQueue:
         if handle is None:
             handle = await asyncio.to_thread(self.queue._controller, task)
         rows, done = await handle.select.remote(req, timeout)
-        metas = array_to_metas(rows)
+        metas = MetaRows(rows)
         positions, refs = self.queue.read_refs(task, metas, req.columns)
         parts = await asyncio.gather(*refs.values())
         return self.queue.assemble(metas, positions, dict(zip(refs, parts, strict=True)), req.columns, done)

@@ -20,50 +20,59 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, replace
+from itertools import repeat
 from typing import Any
+
+import numpy as np
 
 from sluice.api.queue import Partition, RowMeta
 from sluice.queue.lifecycle import FreedRows
-from sluice.queue.packed import Allocator, PackedColumn, gather
+from sluice.queue.packed import (
+    META_FIELDS,
+    PARTITION_FIELD,
+    Allocator,
+    MetaRows,
+    PackedColumn,
+    gather,
+    meta_array,
+)
 
 __all__ = ["InMemoryStorageUnit", "PackedColumn"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Slot:
-    """A cell that lives inside a ``PackedColumn``."""
-
-    __slots__ = ("column", "pos")
-
-    def __init__(self, column: PackedColumn, pos: int) -> None:
-        self.column = column
-        self.pos = pos
-
-
-def _read_cells(cells: list[Any], alloc: Allocator | None) -> Sequence[Any]:
-    """Packed cells (possibly from several puts) as one ``PackedColumn`` if they agree, else rows."""
-    if not all(type(c) is _Slot for c in cells):
-        return [c.column[c.pos] if type(c) is _Slot else c for c in cells]
-    first = cells[0].column
-    if any(not c.column.compatible(first) for c in cells):
-        return [c.column[c.pos] for c in cells]
-    return gather([(c.column, c.pos) for c in cells], first, alloc)
+def _read_cells(
+    packed: dict[int, tuple[PackedColumn, int]],
+    objects: dict[int, Any],
+    indices: Sequence[int],
+    alloc: Allocator | None,
+) -> Sequence[Any]:
+    """The rows as one ``PackedColumn`` if all are packed alike (possibly from several puts), else a list."""
+    if indices and all(i in packed for i in indices):
+        cells = [packed[i] for i in indices]
+        first = cells[0][0]
+        if all(c.compatible(first) for c in {id(c): c for c, _ in cells}.values()):
+            return gather(cells, first, alloc)
+    return [objects[i] if i in objects else packed[i][0][packed[i][1]] for i in indices]
 
 
 class InMemoryStorageUnit:
-    """Rows × columns in this process's memory (implements ``sluice.api.queue.StorageUnit``)."""
+    """Rows × columns in this process's memory (implements ``sluice.api.queue.StorageUnit``).
+
+    Per row it keeps the meta as a plain tuple and, per packed column, ``(buffer, position)``:
+    a write of n rows makes no per-row object in Python code (``dict.update`` over ``zip``)."""
 
     def __init__(self, num_units: int = 1) -> None:
-        self._meta: dict[int, RowMeta] = {}
-        self._cells: dict[str, dict[int, Any]] = {}
+        self._meta: dict[int, tuple[int, ...]] = {}  # row -> RowMeta fields
+        self._packed: dict[str, dict[int, tuple[PackedColumn, int]]] = {}
+        self._objects: dict[str, dict[int, Any]] = {}  # cells that are not packed rows
         self._freed = FreedRows(num_units, PLACEMENT_BLOCK)  # this unit holds every num_units-th block
         self.late_writes = 0  # rows written after they were freed, ignored
 
     def write(
         self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None = None
-    ) -> list[RowMeta]:
+    ) -> MetaRows:
         """Store ``columns[name][k]`` as row ``indices[k]``; a new row without meta gets a default one.
 
         Rows freed earlier are skipped (counted in ``late_writes``); returns the written rows' metas.
@@ -73,21 +82,37 @@ class InMemoryStorageUnit:
         if live is not None and len(live) < len(indices):
             self.late_writes += len(indices) - len(live)
             indices = [indices[p] for p in live]
-            meta = None if meta is None else [meta[p] for p in live]
+            meta = None if meta is None else MetaRows(meta_array(meta)).take(live)
             columns = {name: _take(values, live) for name, values in columns.items()}
+        metas = self._write_meta(indices, meta)
+        for name, values in columns.items():
+            packed = PackedColumn.from_rows(values)
+            cells, objects = self._packed.setdefault(name, {}), self._objects.setdefault(name, {})
+            if packed is None:
+                objects.update(zip(indices, values, strict=True))
+                for i in indices if cells else ():
+                    cells.pop(i, None)
+            else:
+                cells.update(zip(indices, zip(repeat(packed), range(len(indices))), strict=True))
+                for i in indices if objects else ():
+                    objects.pop(i, None)
+        return metas
+
+    def _write_meta(self, indices: Sequence[int], meta: Sequence[RowMeta] | None) -> MetaRows:
+        """Record the rows' metas (given, kept, or a default for a new row) and return them."""
         if meta is not None:
-            self._meta.update(zip(indices, meta, strict=True))
+            array = meta_array(meta)
+            self._meta.update(zip(indices, map(tuple, array.tolist()), strict=True))
+            return MetaRows(array)
+        known = [i in self._meta for i in indices]
+        if not any(known):
+            array = default_metas(indices)
+            self._meta.update(zip(indices, map(tuple, array.tolist()), strict=True))
+            return MetaRows(array)
         for i in indices:
             if i not in self._meta:
-                self._meta[i] = RowMeta(index=i, group_id=i, version=0, num_tokens=0)
-        for name, values in columns.items():
-            cells = self._cells.setdefault(name, {})
-            packed = PackedColumn.from_rows(values)
-            if packed is None:
-                cells.update(zip(indices, values, strict=True))
-            else:
-                cells.update((i, _Slot(packed, pos)) for pos, i in enumerate(indices))
-        return [self._meta[i] for i in indices]
+                self._meta[i] = tuple(default_metas([i])[0].tolist())
+        return MetaRows(np.array([self._meta[i] for i in indices], dtype=np.int64).reshape(-1, META_FIELDS))
 
     def read(
         self, indices: Sequence[int], columns: Sequence[str], alloc: Allocator | None = None
@@ -96,11 +121,11 @@ class InMemoryStorageUnit:
         ``alloc``'s buffer when it gives one), others as lists."""
         out: dict[str, Sequence[Any]] = {}
         for name in columns:
-            cells = self._cells.get(name, {})
+            packed, objects = self._packed.get(name, {}), self._objects.get(name, {})
             try:
-                out[name] = _read_cells([cells[i] for i in indices], alloc) if indices else []
+                out[name] = _read_cells(packed, objects, indices, alloc) if indices else []
             except KeyError:
-                missing = [i for i in indices if i not in cells]
+                missing = [i for i in indices if i not in packed and i not in objects]
                 raise KeyError(f"rows {missing[:8]} have no column {name!r}") from None
         return out
 
@@ -110,17 +135,21 @@ class InMemoryStorageUnit:
         for i in indices:
             if self._meta.pop(i, None) is not None:
                 dropped += 1
-            for cells in self._cells.values():
+            for cells in (*self._packed.values(), *self._objects.values()):
                 cells.pop(i, None)
         self._freed.add(indices)
         return dropped
 
-    def catalog(self) -> list[tuple[RowMeta, tuple[str, ...]]]:
+    def _columns_of(self) -> dict[int, list[str]]:
         names: dict[int, list[str]] = {i: [] for i in self._meta}
-        for name, cells in self._cells.items():
-            for i in cells:
-                names[i].append(name)
-        return [(self._meta[i], tuple(cols)) for i, cols in names.items()]
+        for table in (self._packed, self._objects):
+            for name, cells in table.items():
+                for i in cells:
+                    names[i].append(name)
+        return names
+
+    def catalog(self) -> list[tuple[RowMeta, tuple[str, ...]]]:
+        return [(RowMeta(*self._meta[i]), tuple(sorted(cols))) for i, cols in self._columns_of().items()]
 
     def snapshot(self) -> dict[str, Any]:
         """``{"meta": [row tuples], "columns": {name: {"indices", "values"}}, "freed": [indices]}``.
@@ -129,10 +158,11 @@ class InMemoryStorageUnit:
         ``freed`` lists the freed row indices (compact in memory, explicit in a checkpoint).
         """
         columns = {}
-        for name, cells in self._cells.items():
-            indices = list(cells)
-            columns[name] = {"indices": indices, "values": self.read(indices, [name])[name]}
-        meta = [list(astuple(m)) for m in self._meta.values()]
+        for name in dict.fromkeys([*self._packed, *self._objects]):
+            indices = [*self._packed.get(name, {}), *self._objects.get(name, {})]
+            if indices:
+                columns[name] = {"indices": indices, "values": self.read(indices, [name])[name]}
+        meta = [list(m) for m in self._meta.values()]
         return {"meta": meta, "columns": columns, "freed": self._freed.indices()}
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -143,14 +173,27 @@ class InMemoryStorageUnit:
         self._freed.add(state.get("freed", []))
 
     def stats(self) -> dict[str, Any]:
-        chunks = {id(c.column): c.column for cells in self._cells.values() for c in cells.values() if type(c) is _Slot}
+        chunks = {id(c): c for cells in self._packed.values() for c, _ in cells.values()}
+        counts: dict[str, int] = {}
+        for table in (self._packed, self._objects):
+            for name, cells in table.items():
+                counts[name] = counts.get(name, 0) + len(cells)
         return {
             "rows": len(self._meta),
-            "columns": {name: len(cells) for name, cells in self._cells.items()},
+            "columns": counts,
             "packed_bytes": sum(c.nbytes for c in chunks.values()),
             "freed_ranges": self._freed.num_ranges,
             "late_writes": self.late_writes,
         }
+
+
+def default_metas(indices: Sequence[int]) -> np.ndarray:
+    """``metas_to_array`` of the default metas of new rows (own group, version 0, no partition)."""
+    array = np.zeros((len(indices), META_FIELDS), dtype=np.int64)
+    array[:, 0] = array[:, 1] = indices
+    array[:, 4] = 1
+    array[:, PARTITION_FIELD] = -1
+    return array
 
 
 def check_aligned(indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta] | None) -> None:
@@ -158,10 +201,12 @@ def check_aligned(indices: Sequence[int], columns: Mapping[str, Sequence[Any]], 
     for name, values in columns.items():
         if len(values) != len(indices):
             raise ValueError(f"column {name!r} has {len(values)} values for {len(indices)} rows")
-    if meta is not None and (
-        len(meta) != len(indices) or any(m.index != i for m, i in zip(meta, indices, strict=True))
-    ):
+    if meta is not None and (len(meta) != len(indices) or meta_indices(meta) != list(indices)):
         raise ValueError("meta must be aligned with indices (meta[k].index == indices[k])")
+
+
+def meta_indices(meta: Sequence[RowMeta]) -> list[int]:
+    return meta.indices() if isinstance(meta, MetaRows) else [m.index for m in meta]
 
 
 def _take(values: Sequence[Any], positions: Sequence[int]) -> list[Any]:
@@ -191,17 +236,18 @@ def placement(indices: Sequence[int], num_units: int) -> dict[int, list[int]]:
 
 
 def select_rows(
-    columns: Mapping[str, Sequence[Any]], positions: Sequence[int], pack: bool = False
+    columns: Mapping[str, Sequence[Any]], positions: Sequence[int], pack: bool = False, alloc: Allocator | None = None
 ) -> dict[str, Sequence[Any]]:
-    """The sub-columns at ``positions`` (one storage unit's share of a put), packed if asked and possible."""
+    """The sub-columns at ``positions`` (one storage unit's share of a put), packed if asked and
+    possible (into ``alloc``'s buffers when it gives them)."""
     out: dict[str, Sequence[Any]] = {}
     for name, values in columns.items():
         whole = len(positions) == len(values)  # positions ascend without repeats: all rows, in order
         if isinstance(values, PackedColumn) and pack:
-            out[name] = values if whole else gather([(values, p) for p in positions], values)
+            out[name] = values if whole else gather([(values, p) for p in positions], values, alloc)
             continue
         rows = values if whole else [values[p] for p in positions]
-        out[name] = (PackedColumn.from_rows(rows) or list(rows)) if pack else list(rows)
+        out[name] = (PackedColumn.from_rows(rows, alloc) or list(rows)) if pack else list(rows)
     return out
 
 
@@ -242,13 +288,13 @@ def group_by_columns(catalog: Sequence[tuple[RowMeta, tuple[str, ...]]]) -> dict
     return groups
 
 
-def with_partition(indices: Sequence[int], meta: Sequence[RowMeta] | None, part: Partition) -> list[RowMeta]:
+def with_partition(indices: Sequence[int], meta: Sequence[RowMeta] | None, part: Partition) -> MetaRows:
     """The put's row metas, made members of ``part`` (rows without meta get a default one)."""
     if part.expected_rows < 0:
         raise ValueError(f"partition {part.id}: expected_rows must be >= 0, got {part.expected_rows}")
-    if meta is None:
-        return [RowMeta(index=i, group_id=i, version=0, num_tokens=0, partition=part.id) for i in indices]
-    return [m if m.partition == part.id else replace(m, partition=part.id) for m in meta]
+    array = default_metas(indices) if meta is None else meta_array(meta).copy()
+    array[:, PARTITION_FIELD] = part.id
+    return MetaRows(array)
 
 
 def merge_snapshots(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
