@@ -404,4 +404,5 @@ def test_storage_cell_switches_between_packed_and_object_values() -> None:
     got = unit.read([0, 1], ["x"])["x"]
     assert isinstance(got, PackedColumn) and list(got) == [[1, 2], [4, 5, 6]]
     assert unit.stats()["columns"] == {"x": 2}
-    assert sorted(unit.catalog(), key=lambda c: c[0].index) == [(RowMeta(0, 0, 0, 0), ("x",)), (RowMeta(1, 1, 0, 0), ("x",))]
+    catalog = sorted(unit.catalog(), key=lambda c: c[0].index)
+    assert catalog == [(RowMeta(0, 0, 0, 0), ("x",)), (RowMeta(1, 1, 0, 0), ("x",))]
