@@ -3,18 +3,21 @@
 The configurations are declared in ``benchmarks/planner_validation.yaml`` (committed before any
 measurement). Three phases, each writing into one JSON file:
 
-1. ``profile``: the built-in HF engine's decode iteration time against its running batch,
-   measured in-process on the default task's warm-started model, fitted to
-   ``decode_s · max(1, batch / knee)`` (``sim.fit.fit_decode``);
+1. ``profile`` (``planner_validation_profile.py``): the built-in HF engine's decode iteration
+   time against its running batch, measured in-process on the default task's warm-started model,
+   fitted to ``decode_s · max(1, batch / knee)`` (``sim.fit.fit_decode``); and the run's own
+   trainer worker training whole steps alone (seconds per token with nothing decoding beside it);
 2. ``measure``: each configuration ``runs`` times as a real run (Ray, two actors; round-robin
    over the configurations), recording the
    step times from ``metrics.jsonl``, the load average and the CPU the rest of the machine used
-   (all CPU time minus this run's process tree), sampled every half second;
+   (all CPU time minus this run's process tree), sampled every half second, and from the run's
+   trace how long its micro-batches took beside generation and with none running;
 3. ``predict``: calibrate on the FIRST configuration only (the trainer's cost per token from its
-   step metrics; one scale factor on the profiled engine: the engine's effective iteration time
-   in the real rollout process, ``drive_s / steps`` of its stats, over the profile at the same
-   running batch), simulate every configuration with ``sim.simulate``, print the table of
-   predicted vs measured (the calibration configuration's own row is a check, not a fit).
+   step metrics, where it shares the CPU with decoding; its speed-up when alone is that rate
+   over the profiled trainer's; one scale factor on the profiled engine: the engine's effective
+   iteration time in the real rollout process, ``drive_s / steps`` of its stats, over the profile
+   at the same running batch), simulate every configuration with ``sim.simulate``, print the
+   table of predicted vs measured (the calibration configuration's own row is a check, not a fit).
 
 Replicas on this machine share the rollout worker's thread (docs/rollout.md), so r replicas are
 simulated as r engines each 1/r as fast.
@@ -36,81 +39,21 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+from planner_validation_profile import profile_decode, profile_trainer, task_lengths
 
 from sluice.config.models import TrainerConfig
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
-from sluice.sim.fit import fit_decode
 from sluice.sim.simulate import SimConfig, simulate
+from sluice.telemetry.trace import resolve_spans
 
 HERE = Path(__file__).parent
 GROUP_SIZE = 8
-
-
-def _task_model() -> tuple[Any, Path, Any]:
-    from sluice.config import load_config
-    from sluice.engines.hf_model import load_tokenizer
-    from sluice.tasks import TASKS
-    from sluice.tasks.base_model import ensure_base_model
-
-    cfg = load_config(None, [])
-    task = TASKS[cfg.task.name]
-    model_dir = ensure_base_model(task, cfg.model.cache_dir, cfg.run.seed, cfg.task.eval_prompts)
-    return task, model_dir, load_tokenizer(model_dir)
-
-
-def task_lengths(count: int = 4000) -> dict[str, float]:
-    """Prompt and answer token lengths of the default task, as a log-normal ``LengthModel``
-    (answers are determined by the prompt: the spread is between prompts)."""
-    import random
-
-    task, _, tokenizer = _task_model()
-    rng = random.Random(0)
-    rows = [task.make_row(rng) for _ in range(count)]
-    prompts = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]
-    answers = [len(tokenizer(r["answer"])["input_ids"]) + 1 for r in rows]  # + <eos>
-    logs = [math.log(a) for a in answers]
-    return {"prompt_len": statistics.mean(prompts), "median": math.exp(statistics.median(logs)),
-            "sigma": statistics.pstdev(logs), "max_new_tokens": task.max_new_tokens}  # fmt: skip
-
-
-def profile() -> dict[str, Any]:
-    """Decode iteration seconds at running batches 1..512 (the fastest of the first decode
-    steps after the whole batch is admitted, over five sweeps: other processes only ever add
-    time), fitted to the knee model."""
-    import torch
-
-    from sluice.api import GenerationRequest, SamplingParams
-    from sluice.engines.hf_inference import HFInferenceEngine
-    from sluice.engines.hf_model import load_causal_lm
-
-    torch.set_num_threads(1)
-    _, model_dir, tokenizer = _task_model()
-    engine = HFInferenceEngine(load_causal_lm(model_dir), max_batch=512, admit_fraction=1.0)
-    prompt = tuple(tokenizer("1234567890123456>")["input_ids"])
-    batches, seconds = [], []
-    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) * 5:
-        params = SamplingParams(max_new_tokens=8, stop_token_ids=())
-        futures = [engine.submit(GenerationRequest(f"p{batch}-{i}", prompt, params, seed=i)) for i in range(batch)]
-        engine.step()  # admit + prefill + first decode
-        times = []
-        while engine.stats()["running"] == batch and len(times) < 5:
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        while engine.has_work():
-            engine.step()
-        assert all(f.done() for f in futures)
-        batches.append(batch)
-        seconds.append(min(times))
-    best = {b: min(s for bb, s in zip(batches, seconds, strict=True) if bb == b) for b in batches}
-    batches, seconds = list(best), list(best.values())
-    fit = fit_decode(batches, seconds)
-    return {"batches": batches, "seconds": seconds, "decode_s": fit.decode_s, "knee": fit.knee, "rms_s": fit.rms_s}
 
 
 def _sample_cpu(pid: int, stop: threading.Event, out: dict[str, list[float]]) -> None:
@@ -171,6 +114,7 @@ def run_once(overrides: list[str], steps: int, skip: int, workdir: Path) -> dict
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"sluice train {' '.join(args)} failed:\n{output[-3000:]}")
+    trace = workdir / "run" / "trace.json"
     records = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
     weights = next(r for r in records if r.get("kind") == "weights")
@@ -181,8 +125,34 @@ def run_once(overrides: list[str], steps: int, skip: int, workdir: Path) -> dict
         "step_ends": ends,
         "train": [{k: r[k] for k in ("step_s", "wait_data_s", "tokens", "samples")} for r in train],
         "engine": {k: weights[f"engine_{k}"] for k in ("steps", "generated_tokens", "drive_s")},
+        "microbatches": microbatch_overlap(json.loads(trace.read_text())) if trace.is_file() else {},
         **{f"{k}_mean": statistics.mean(v) if v else float("nan") for k, v in samples.items()},
     }
+
+
+def microbatch_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
+    """The trainer's micro-batches split by how much of each ran while some group was generating
+    (beside decoding: over 95 %; alone: under 5 %): count and seconds per sample of each kind.
+    A check of the contention the profile measures, from the run's own trace; not used to predict."""
+    _, spans = resolve_spans(events)
+    generating = sorted((s.start_us, s.end_us) for s in spans if s.name == "generate" and s.ph == "X")
+    busy: list[tuple[float, float]] = []
+    for start, end in generating:  # the union of the groups' generate spans
+        if busy and start <= busy[-1][1]:
+            busy[-1] = (busy[-1][0], max(busy[-1][1], end))
+        else:
+            busy.append((start, end))
+    out = {f"{kind}_{k}": 0.0 for kind in ("alone", "beside") for k in ("count", "seconds", "samples")}
+    for s in spans:
+        if s.name != "train_microbatch" or s.ph != "X" or s.end_us <= s.start_us:
+            continue
+        beside = sum(max(0.0, min(s.end_us, b) - max(s.start_us, a)) for a, b in busy) / (s.end_us - s.start_us)
+        kind = "beside" if beside > 0.95 else "alone" if beside < 0.05 else None
+        if kind:
+            out[f"{kind}_count"] += 1
+            out[f"{kind}_seconds"] += (s.end_us - s.start_us) / 1e6
+            out[f"{kind}_samples"] += s.args.get("samples", 0)
+    return out
 
 
 def measure(spec: dict[str, Any], data: dict[str, Any], out: Path, lock: str | None = None) -> list[dict[str, Any]]:
@@ -243,7 +213,6 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
     per_token = statistics.mean(
         (s["step_s"] - s["wait_data_s"]) / (s["tokens"] + s["samples"] * lengths["prompt_len"]) for s in steps
     )
-    trainer = TrainerCost(token_s=per_token, micro_batch_tokens=TrainerConfig().micro_batch_tokens)
     # The engine: wall seconds per driven iteration (the rollout thread's rewards and queue writes
     # included) over the profile's fit at the run's mean running batch.
     engines = [run["engine"] for run in first["runs"]]
@@ -259,9 +228,32 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
     model = LengthModel(median, lengths["sigma"], sample_sigma)
     engine = SimEngineConfig(decode_s=d, knee=max(1, round(prof["knee"])), max_running=512,
                              prefill_s_per_token=d / prof["knee"], load_s=0.01, lengths=model)  # fmt: skip
+    alone = data["profile_trainer"]["token_s"]
+    trainer, simulated = calibrate_trainer(per_token, alone, sim_config(spec["configs"][0], engine,
+                                           TrainerCost(token_s=per_token), spec, lengths))  # fmt: skip
     calib = {"engine_scale": scale, "engine_iteration_s": iteration_s, "engine_mean_batch": batch,
-             "train_token_s": per_token, "response_mean": measured_mean, "length_median": median}  # fmt: skip
+             "train_token_s_measured": per_token, "train_token_s_alone": alone, "train_token_s": trainer.token_s,
+             "alone_speedup": trainer.alone_speedup, "train_token_s_simulated": simulated,
+             "response_mean": measured_mean, "length_median": median}  # fmt: skip
     return engine, trainer, calib
+
+
+def calibrate_trainer(per_token: float, alone_token_s: float, twin: SimConfig) -> tuple[TrainerCost, float]:
+    """The trainer beside decoding and alone. The calibration runs' seconds per token are mostly,
+    not only, beside decoding: take the contended rate that makes the calibration configuration's
+    simulated trainer (``twin``, which does the share of its work the simulator finds alone at the
+    profiled rate) spend the measured seconds per token after the warm-up. Returns it and the
+    simulated seconds per token it reaches."""
+    contended, simulated = per_token, per_token
+    for _ in range(8):  # the alone share barely moves with the rate: a few fixed-point steps
+        trainer = TrainerCost(token_s=contended, micro_batch_tokens=TrainerConfig().micro_batch_tokens,
+                              alone_speedup=contended / alone_token_s)  # fmt: skip
+        result = simulate(replace(twin, trainer=trainer))
+        warm = sum(result.step_times[: twin.warmup_steps]) * 1e6
+        spans = [e for e in result.events if e.get("ph") == "X" and e["name"] == "train_microbatch" and e["ts"] >= warm]
+        simulated = sum(e["dur"] for e in spans) / 1e6 / sum(e["args"]["tokens"] for e in spans)
+        contended *= per_token / simulated
+    return trainer, simulated
 
 
 def predict(data: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -278,18 +270,34 @@ def predict(data: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
                      "error": err, "runs_s": [r["step_s"] for r in runs],
                      "load1": statistics.mean(r["load1_mean"] for r in runs),
                      "other_cores": statistics.mean(r["other_cores_mean"] for r in runs),
-                     "trainer_utilisation": result.trainer_utilisation})  # fmt: skip
+                     "trainer_utilisation": result.trainer_utilisation,
+                     **_microbatch_rates([r.get("microbatches", {}) for r in runs])})  # fmt: skip
     return rows
+
+
+def _microbatch_rates(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The runs' micro-batches alone and beside generation (``microbatch_overlap``): seconds per
+    sample of each kind over all the runs, and how many there were."""
+    out = {}
+    for kind in ("alone", "beside"):
+        samples = sum(r.get(f"{kind}_samples", 0.0) for r in runs)
+        out[f"mb_{kind}_count"] = sum(r.get(f"{kind}_count", 0.0) for r in runs)
+        out[f"mb_{kind}_s_per_sample"] = (
+            sum(r.get(f"{kind}_seconds", 0.0) for r in runs) / samples if samples else math.nan
+        )
+    return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'configuration':<20} {'predicted s':>11} {'measured s':>10} {'error':>7}  {'runs s':<20} "
-          f"{'load1':>5} {'others':>6}")  # fmt: skip
+          f"{'load1':>5} {'others':>6}  micro-batch ms/sample alone (n), beside (n)")  # fmt: skip
     for i, r in enumerate(rows):
         runs = ", ".join(f"{s:.2f}" for s in r["runs_s"])
         tag = " (calibration)" if i == 0 else ""
+        mb = (f"{r['mb_alone_s_per_sample'] * 1e3:.2f} ({r['mb_alone_count']:.0f}), "
+              f"{r['mb_beside_s_per_sample'] * 1e3:.2f} ({r['mb_beside_count']:.0f})")  # fmt: skip
         print(f"{r['name']:<20} {r['predicted_s']:>11.2f} {r['measured_s']:>10.2f} {r['error']:>+7.1%}  {runs:<20} "
-              f"{r['load1']:>5.1f} {r['other_cores']:>6.2f}{tag}")  # fmt: skip
+              f"{r['load1']:>5.1f} {r['other_cores']:>6.2f}  {mb}{tag}")  # fmt: skip
 
 
 def main() -> None:
@@ -316,9 +324,11 @@ def main() -> None:
         if phase == "profile":
             with exclusive(args.lock):
                 data["lengths"] = task_lengths()
-                data["profile"] = profile()
+                data["profile"] = profile_decode()
+                data["profile_trainer"] = profile_trainer(_overrides(spec["configs"][0])["prompts_per_step"])
             print(f"engine: decode {data['profile']['decode_s'] * 1e3:.2f} ms flat to a batch of "
-                  f"{data['profile']['knee']:.0f}; lengths {data['lengths']}")  # fmt: skip
+                  f"{data['profile']['knee']:.0f}; trainer alone {data['profile_trainer']['token_s'] * 1e3:.4f} ms "
+                  f"per token; lengths {data['lengths']}")  # fmt: skip
         elif phase == "measure":
             data["measured"] = measure(spec, data, out, args.lock)
         else:

@@ -189,13 +189,25 @@ class TrainerCost:
     ``microbatch_overhead_s + tokens · token_s``; every step ends with ``step_s``."""
 
     token_s: float
+    """Seconds per trained token (prompt tokens included); with ``alone_speedup`` > 1, the rate
+    while generation runs beside the trainer."""
     microbatch_overhead_s: float = 0.0
+    """Fixed seconds per micro-batch."""
     micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch."""
     step_s: float = 0.0
+    """The optimizer step and weight publish that end a step."""
+    alone_speedup: float = 1.0
+    """How many times faster the trainer works while no replica generates, for a trainer that
+    shares its device with generation (this CPU: its rate alone over its rate beside decoding,
+    each measured). 1: the stages have devices of their own (every accelerator preset), so
+    generation never slows training."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.alone_speedup <= 0:
+            raise ValueError(f"alone_speedup must be > 0, got {self.alone_speedup}")
 
 
 def trainer_cost(cost: CostModel, devices: int, micro_batch_tokens: int, forwards: int = 0) -> TrainerCost:

@@ -5,7 +5,9 @@ The events are the real code's: sluice's ``AsyncController`` and ``GroupLedger``
 run over ``SimEngine`` replicas (long-tailed lengths, continuous batching under a concurrency
 cap, prefill, weight loads by interrupt / defer / staggered) on ``run_virtual``'s clock, which
 jumps from one event to the next. Only the trainer is a cost: micro-batches of up to
-``micro_batch_tokens`` tokens, each ``overhead + tokens · token_s``, then an optimizer step.
+``micro_batch_tokens`` tokens, each ``overhead + tokens · token_s``, then an optimizer step. A
+trainer that shares its device with the replicas (``TrainerCost.alone_speedup`` > 1, this CPU)
+works faster while no replica is busy (``sim.contention``).
 
 Modes: ``sync`` (generate the whole batch, then train it: η = 0 without streaming),
 ``streaming`` (η = 0, training starts on the first finished groups: StreamRL's dynamic-batch
@@ -32,6 +34,7 @@ from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.staleness import StalenessGate
 from sluice.sim.clock import run_virtual
+from sluice.sim.contention import SharedDevice
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import SimEngine, SimEngineConfig
 from sluice.sim.pipeline import SimPipeline, stalled_together_s
@@ -114,27 +117,41 @@ class SimResult:
 
 
 class TracedSimEngine(SimEngine):
-    """A ``SimEngine`` that records its decode runs and weight stalls as spans (simulated ns)."""
+    """A ``SimEngine`` that records its decode runs and weight stalls as spans (simulated ns)
+    and reports them to the device it shares with the trainer."""
 
-    def __init__(self, config: SimEngineConfig, recorder: SpanRecorder, lane: str) -> None:
+    def __init__(self, config: SimEngineConfig, recorder: SpanRecorder, lane: str, device: SharedDevice) -> None:
         super().__init__(config)
         self._recorder = recorder
         self._lane = lane
+        self._device = device
         self.created_at = self._now()
 
     async def _decode(self, wake: asyncio.Event) -> None:
         start = self._now()
-        await super()._decode(wake)
+        self._device.start()
+        try:
+            await super()._decode(wake)
+        finally:
+            self._device.stop()
         self._span("decode", start)
 
     async def _stall(self, sim_seconds: float) -> None:
         start = self._now()
-        await super()._stall(sim_seconds)
+        self._device.start()
+        try:
+            await super()._stall(sim_seconds)
+        finally:
+            self._device.stop()
         self._span("weight_load", start)
 
     async def _admit(self) -> None:
         start = self._now()
-        await super()._admit()
+        self._device.start()
+        try:
+            await super()._admit()
+        finally:
+            self._device.stop()
         self._span("prefill", start)
 
     def _span(self, name: str, start: float) -> None:
@@ -154,11 +171,13 @@ class CostedTrainerPipeline(SimPipeline):
         cost: TrainerCost,
         streaming: bool,
         prompt_len: int,
+        device: SharedDevice,
         **kwargs: Any,
     ) -> None:
         super().__init__(engines, *args, **kwargs)
         self.traced = list(engines)
         self.cost = cost
+        self.device = device
         self.streaming = streaming
         self.prompt_len = prompt_len
         self.recorder = SpanRecorder("trainer")
@@ -171,7 +190,7 @@ class CostedTrainerPipeline(SimPipeline):
 
     def new_engine(self) -> TracedSimEngine:
         """A replica to add at run time (``LLMProxy.add_replica``), traced and accounted."""
-        engine = TracedSimEngine(self.engine_config, self.rollout_recorder, f"replica{len(self.engines)}")
+        engine = TracedSimEngine(self.engine_config, self.rollout_recorder, f"replica{len(self.engines)}", self.device)
         self.engines.append(engine)
         self.traced.append(engine)
         return engine
@@ -203,8 +222,13 @@ class CostedTrainerPipeline(SimPipeline):
     async def _timed(self, name: str, seconds: float, tokens: int = 0) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        await asyncio.sleep(seconds)
-        self.train_busy_s += seconds
+        if self.cost.alone_speedup == 1.0:  # a device of its own: the cost is the time
+            await asyncio.sleep(seconds)
+            busy = seconds
+        else:
+            await self.device.spend(seconds, self.cost.alone_speedup)
+            busy = loop.time() - start
+        self.train_busy_s += busy
         if tokens:
             self.recorder.add(name, _ns(start), _ns(loop.time()), tokens=tokens)
         else:
@@ -222,7 +246,8 @@ def simulate(config: SimConfig, on_step: StepHook | None = None) -> SimResult:
     """Run ``config.steps`` training steps on the virtual clock (see the module docstring);
     ``on_step(version, pipeline)`` is awaited after each step (to change lengths, rebalance)."""
     rollout = SpanRecorder("rollout")
-    engines = [TracedSimEngine(config.engine, rollout, f"replica{i}") for i in range(config.replicas)]
+    device = SharedDevice()
+    engines = [TracedSimEngine(config.engine, rollout, f"replica{i}", device) for i in range(config.replicas)]
     pipeline = CostedTrainerPipeline(
         engines,
         sim_prompts(max(4 * config.prompts_per_step, 256), prompt_len=config.prompt_len, seed=config.seed),
@@ -235,6 +260,7 @@ def simulate(config: SimConfig, on_step: StepHook | None = None) -> SimResult:
         cost=config.trainer,
         streaming=config.mode != "sync",
         prompt_len=config.prompt_len,
+        device=device,
     )
     pipeline.rollout_recorder = rollout
     ledger = GroupLedger(StalenessGate(config.prompts_per_step, config.staleness))
