@@ -49,6 +49,7 @@ from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.dataset import DatasetError, PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import JsonlMetrics, SpanRecorder, TrainProgress, write_chrome_trace
+from sluice.telemetry.cpu import CpuMeter
 from sluice.telemetry.trace import trace_numbers
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import CriticSpec
@@ -332,9 +333,10 @@ class RLTrainer:
 
         self.rollout_tracer.drain()  # the trace covers the loop only
         self.trainer_tracer.drain()
-        started = time.monotonic()
+        started, cpu = time.monotonic(), CpuMeter()
         run_sync(self, self.config.run.steps, self.config.rollout.prompts_per_step, after_step)
         self.loop_seconds = time.monotonic() - started
+        self.metrics.log("cpu", **cpu.read())  # CPU seconds in the loop: this process, its reward pool
         groups = self._trained_groups
         discards = {f"discarded_{reason}": float(n) for reason, n in self.discards.items()}
         self.metrics.log("fates", groups_trained=groups, staleness_0=groups, **discards)  # sync: all on-policy

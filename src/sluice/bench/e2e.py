@@ -7,7 +7,10 @@ default run, and a second rank uses the core the rollout worker leaves idle). Ea
 **trained** response tokens per second of training loop (tokens generated but never trained do
 not count), loop wall time, the trainer's idle fraction, the exposed weight-sync time (seconds
 generation or training waited for weights), the realised staleness histogram (from the run's
-trace and ledger), and final held-out accuracy.
+trace and ledger), final held-out accuracy, and the CPU seconds every process of the run spent in
+the loop, by role (``telemetry/cpu.py``): divided by the cores, that is the shortest loop the
+same work could take with every core busy all the time (``cpu_bound_s``), so a row whose bound is
+above sync's loop cannot beat sync by any scheduling.
 Prints a table and writes JSON. It measures; it asserts nothing.
 """
 
@@ -58,6 +61,7 @@ def _row(name: str, result: Any) -> dict[str, Any]:
     train = [r for r in records if r["kind"] == "train"]
     trace = next((r for r in records if r["kind"] == "trace"), {})
     fates = next((r for r in records if r["kind"] == "fates"), {})
+    cpu = next((r for r in records if r["kind"] == "cpu"), {})
     trained = sum(r["trained_tokens"] for r in train)
     staleness = {k.removeprefix("staleness_"): v for k, v in fates.items() if k.startswith("staleness_")}
     return {
@@ -69,6 +73,9 @@ def _row(name: str, result: Any) -> dict[str, Any]:
         "trainer_idle_fraction": trace.get("trainer_idle_fraction"),
         "exposed_weight_sync_s": round(sum(r.get("exposed_weight_sync_s", 0.0) for r in train), 3),
         "staleness": staleness or {"0": float(len(train))},
+        "cpu_s": cpu.get("cpu_total"),
+        "cpu_bound_s": round(cpu["cpu_total"] / cpu["cores"], 2) if "cpu_total" in cpu else None,
+        "cpu_by_role": {k.removeprefix("cpu_"): v for k, v in cpu.items() if k.startswith("cpu_") and k != "cpu_total"},
         "base_accuracy": result.base_accuracy,
         "final_accuracy": result.final_accuracy,
         "run_dir": str(result.run_dir),
@@ -78,8 +85,8 @@ def _row(name: str, result: Any) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["trained_tokens_per_s"] if rows else 1.0
     head = (
-        f"{'variant':<13} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6}  "
-        f"{'staleness':<22} {'acc':>11}"
+        f"{'variant':<13} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6} "
+        f"{'cpu s':>6} {'bound s':>7}  {'staleness':<22} {'acc':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -89,9 +96,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['variant']:<13} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
             f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5} "
-            f"{r['exposed_weight_sync_s']:>6.2f}  {hist:<22} {acc:>11}"
+            f"{r['exposed_weight_sync_s']:>6.2f} {_num(r.get('cpu_s')):>6} {_num(r.get('cpu_bound_s')):>7}  "
+            f"{hist:<22} {acc:>11}"
         )
     return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def write_json(rows: list[dict[str, Any]], path: str | Path, overrides: list[str]) -> Path:

@@ -21,6 +21,7 @@ from sluice.pipeline.run_dag import async_queue_tasks
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import FILTERS
+from sluice.telemetry.cpu import CpuMeter
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 from sluice.trainer.critic_task import CRITIC_TASK
 from sluice.trainer.reference import REF_TASK
@@ -107,9 +108,10 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
         await pipeline.trace_events()  # drop the base evaluation: the trace covers the loop only
         if trainer.resumed is not None:  # restart the groups that were generating at the checkpoint
             resume_controller(controller, trainer.resumed)
-        started = time.monotonic()
+        started, cpu = time.monotonic(), CpuMeter()
         await controller.run(cfg.run.steps, after_step)
         trainer.loop_seconds = time.monotonic() - started
+        trainer.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
         (t_version, t_sum), (e_version, e_sum) = await pipeline.fingerprints()
         engine = await pipeline.engine_stats()
         trainer.metrics.log(
