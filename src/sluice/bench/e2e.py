@@ -3,14 +3,18 @@
 Full runs of the same config in one process, differing only in the pipeline: ``sync``;
 streaming at η = 0 (overlap inside a step only: the queue's own gain, AsyncFlow's ablation);
 η = 1; η = 4; η = 1 with two data-parallel trainer ranks (the trainer is the bottleneck of the
-default run, and a second rank uses the core the rollout worker leaves idle). Each row reports
+default run, and a second rank uses the core the rollout worker leaves idle); and sync on one
+torch thread, whose CPU seconds are the least CPU the computation itself needs (one thread has no
+idle spinning and no parallel overhead): half of them is the loop a perfect two-core overlap
+of generation and training would reach, with no coordination cost at all. Each row reports
 **trained** response tokens per second of training loop (tokens generated but never trained do
 not count), loop wall time, the trainer's idle fraction, the exposed weight-sync time (seconds
 generation or training waited for weights), the realised staleness histogram (from the run's
 trace and ledger), final held-out accuracy, and the CPU seconds every process of the run spent in
 the loop, by role (``telemetry/cpu.py``): divided by the cores, that is the shortest loop the
-same work could take with every core busy all the time (``cpu_bound_s``), so a row whose bound is
-above sync's loop cannot beat sync by any scheduling.
+same work could take with every core busy all the time (``cpu_bound_s``), so sync's loop over a
+row's bound is the most that row could gain on sync by any scheduling (a two-thread row's CPU
+includes OpenMP workers spinning while they wait, so its bound is not a floor).
 Prints a table and writes JSON. It measures; it asserts nothing.
 """
 
@@ -28,6 +32,7 @@ VARIANTS: dict[str, list[str]] = {
     "async η=1": ["run.mode=async", "rollout.max_staleness=1"],
     "async η=4": ["run.mode=async", "rollout.max_staleness=4"],
     "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "trainer.data_parallel=2"],
+    "sync 1 thread": ["run.mode=sync", "run.threads=1"],
 }
 
 
