@@ -127,6 +127,18 @@ def measure(kind: type, workers: int, tokens: int, steps: int) -> dict:
     }
 
 
+def in_own_session(kind: type, workers: int, tokens: int, steps: int) -> dict:
+    """``measure`` in a Ray session of its own: a variant does not inherit the memory state the
+    other left behind (after the single-controller run's object-store traffic, the next run's
+    page faults cost several times as much CPU here)."""
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             object_store_memory=1024**3)  # fmt: skip
+    try:
+        return measure(kind, workers, tokens, steps)
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 and 8 workers, 1k and 32k tokens, 4 steps")
@@ -141,11 +153,9 @@ def main() -> None:
         cells = [(int(w), int(t)) for w, t in (c.split("x") for c in args.cells.split(","))]
     steps = 4 if args.quick else args.steps
     load = os.getloadavg()
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-             object_store_memory=1024**3)  # fmt: skip
     rows = []
     for w, t in cells:
-        pair = {kind: measure(kind, w, t, steps) for kind in (SingleControllerRun, MultiControllerRun)}
+        pair = {kind: in_own_session(kind, w, t, steps) for kind in (SingleControllerRun, MultiControllerRun)}
         multi, single = pair[MultiControllerRun], pair[SingleControllerRun]
         multi["speedup"] = single["seconds"] / multi["seconds"]
         rows += [single, multi]

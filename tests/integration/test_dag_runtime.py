@@ -113,3 +113,61 @@ def test_the_gate_answers_same_node_workers_over_its_socket(ray_cluster):
     finally:
         ray.get(gate.close_transport.remote())
         ray.kill(gate)
+
+
+def test_ready_maps_every_units_arena_and_every_outbox(ray_cluster):
+    """Rows live in blocks dealt over the units: the warm-up must touch every unit, or the first
+    timed steps pay for mapping arenas (each worker's outbox in every unit, every unit's arena in
+    every consuming worker)."""
+    import ray
+
+    def _mapped(_actor) -> set[str]:  # run inside an actor (a nested function travels by value)
+        from sluice.queue import shm
+
+        return set(shm._attached)
+
+    def _outbox_name(_actor) -> str:
+        from sluice.queue import shm
+
+        return shm.outbox().name
+
+    settings = RuntimeSettings(4, 4, 1, IndexPrompts(8))
+    plan = compile_dag(parse_dag(_dag(gen=2, score=2, tokens=64)), "disaggregated")
+    run = MultiControllerRun(plan, settings, storage_units=3)
+    try:
+        run.ready()
+        units = run.queue.units
+        arenas = ray.get([u.__ray_call__.remote(lambda self: self._arena.name) for u in units])
+        mapped_by_units = ray.get([u.__ray_call__.remote(_mapped) for u in units])
+        workers = [a for actors in run.workers.values() for a in actors]
+        outboxes = ray.get([a.__ray_call__.remote(_outbox_name) for a in workers])
+        readers = run.workers["score"] + run.workers["train"]
+        mapped_by_readers = ray.get([a.__ray_call__.remote(_mapped) for a in readers])
+    finally:
+        run.close()
+    assert all(set(outboxes) <= mapped for mapped in mapped_by_units)
+    assert all(set(arenas) <= mapped for mapped in mapped_by_readers)
+
+
+def test_get_views_reads_a_units_arena_in_place_until_the_block_ends(ray_cluster):
+    import numpy as np
+    import ray
+
+    from sluice.api import Partition
+    from sluice.queue import RayQueue, shm
+    from sluice.queue.packed import PackedColumn, offsets_of
+
+    queue = RayQueue.create(1, tasks={"t": ["x"]})
+    try:
+        values = np.arange(2 * 65_536, dtype=np.int32)  # two rows of 256 KiB: the shared-memory path
+        queue.put([0, 1], {"x": PackedColumn(values, offsets_of([65_536, 65_536]), "list")}, partition=Partition(0, 2))
+        unit = queue.units[0]
+        arena = ray.get(unit.__ray_call__.remote(lambda self: self._arena.name))
+        with queue.get_views("t", ["x"], 2, partition=0, timeout=10) as batch:
+            column = batch.columns["x"]
+            assert np.shares_memory(column.values, shm.attach(arena))  # no copy out of the unit's arena
+            assert np.array_equal(column.values, values)
+            assert ray.get(unit.__ray_call__.remote(lambda self: self._arena.in_use())) == 1
+        assert ray.get(unit.__ray_call__.remote(lambda self: self._arena.in_use())) == 0  # released
+    finally:
+        queue.shutdown()

@@ -21,7 +21,7 @@ from sluice.api import Batch, RowMeta
 from sluice.pipeline.gate import ServedGate
 from sluice.pipeline.planner import Plan, WorkerGroup
 from sluice.pipeline.transport import DriverBytes, DriverTransport
-from sluice.pipeline.worker import DagWorker, RuntimeSettings
+from sluice.pipeline.worker import WARM_SPAN, DagWorker, RuntimeSettings
 
 WARM_PARTITIONS = 1 << 40
 """Partition ids from here on carry ``ready``'s warm-up rows (no step ever reads them)."""
@@ -112,7 +112,7 @@ class MultiControllerRun(_Run):
     def _warm_up(self) -> None:
         """Each worker's queue path (units, outbox, shard reads), gate and rank-0 connections."""
         t, units = self.transport, len(self.queue.units)
-        bases = [WARM_PARTITIONS + 1_000_000 * k for k in range(len(self.workers))]
+        bases = [WARM_PARTITIONS + WARM_SPAN * k for k in range(len(self.workers))]
         t.get([
             t.call(a.warm_up, base, units)
             for actors, base in zip(self.workers.values(), bases, strict=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from sluice.pipeline.functions import NodeContext, apply_node, resolve_function
 from sluice.pipeline.loader import PromptSource, ShardLoader
 from sluice.pipeline.peer import Peer, endpoint_of
 from sluice.pipeline.planner import Plan
-from sluice.pipeline.spec import DagError
+from sluice.pipeline.spec import DagError, DagNode
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class RuntimeSettings:
 
 WARM_ROW_BYTES = 256 * 1024
 """Size of a warm-up row: above the queue's shared-memory threshold, so ``warm_up`` opens its arenas."""
+WARM_NODE_ROWS = 1 << 24
+"""``warm_up`` row ids: the puts' rows from its base on, each consuming node's reads' rows this far apart."""
+WARM_SPAN = 1 << 32
+"""Row and partition ids of one worker group's ``warm_up`` (256 nodes' worth)."""
 
 
 class DagWorker:
@@ -143,30 +148,39 @@ class DagWorker:
         for step in range(self.settings.steps):
             metrics: dict[str, float] = {}
             for node in self.nodes:
-                clock = time.perf_counter()
-                batch = self.queue.get(
-                    node.id,
-                    node.reads,
-                    self.settings.rows_per_step,
-                    partition=step,
-                    shard=Shard(self.rank, node.parallel),
-                    timeout=self.settings.timeout_s,
-                )
-                if not len(batch):
-                    raise TimeoutError(f"node {node.id!r} rank {self.rank}: no rows of step {step} within the timeout")
-                clock = self._phase(f"{node.id}_wait_s", clock)
-                batch = sorted_batch(batch)
-                self.trained.extend((step, m.index, m.version) for m in batch.meta)
-                out = self.apply(node.id, step, batch)
-                clock = self._phase(f"{node.id}_compute_s", clock)
-                if out:
-                    self.queue.put(list(batch.indices), out)
-                self._phase(f"{node.id}_put_s", clock)
+                rows += self._consume(node, step)
                 metrics.update(self.contexts[node.id].metrics)
-                rows += len(batch)
             self.gate.call("step_done", step)  # first: the next step's credits wait for it
             self.report(step, self.rank, metrics)
         return rows
+
+    def _consume(self, node: DagNode, step: int) -> int:
+        """Read this rank's shard of ``step`` for ``node``, run it, write its outputs; rows read.
+
+        On one node the rows are views of the queue's shared memory (``get_views``: no copy out)
+        until the outputs are written, so a function's outputs may be its inputs' rows."""
+        clock = time.perf_counter()
+        with self._read(node, step) as batch:
+            if not len(batch):
+                raise TimeoutError(f"node {node.id!r} rank {self.rank}: no rows of step {step} within the timeout")
+            clock = self._phase(f"{node.id}_wait_s", clock)
+            batch = sorted_batch(batch)
+            self.trained.extend((step, m.index, m.version) for m in batch.meta)
+            out = self.apply(node.id, step, batch)
+            clock = self._phase(f"{node.id}_compute_s", clock)
+            if out:
+                self.queue.put(list(batch.indices), out)
+            self._phase(f"{node.id}_put_s", clock)
+        return len(batch)
+
+    def _read(self, node: DagNode, step: int) -> AbstractContextManager[Batch]:
+        """This rank's shard of ``step``'s rows for ``node``: the queue's own redistribution."""
+        s, shard = self.settings, Shard(self.rank, node.parallel)
+        args = (node.id, node.reads, s.rows_per_step)
+        views = getattr(self.queue, "get_views", None)  # RayQueue's; any other client copies
+        if views is not None:
+            return views(*args, partition=step, shard=shard, timeout=s.timeout_s)  # type: ignore[no-any-return]
+        return nullcontext(self.queue.get(*args, partition=step, shard=shard, timeout=s.timeout_s))
 
     # -- the pieces (also what the single-controller variant calls) ----------------------------
 
@@ -221,28 +235,34 @@ class DagWorker:
         """Pay this worker's one-time data-path costs before a timed run, in rows no step reads:
         the connections to the gate, to rank 0 and to each of the queue's ``units`` storage units,
         this process's shared-memory outbox (a put of one big row to every unit, then cleared),
-        and per consuming node a shard read of a partition of its own (its controller loads the
-        shard balancer; this process maps the units' arenas). ``base``: the group's first warm-up
-        row and partition id, the same on every rank (rank 0 writes what all ranks read)."""
+        and per consuming node one shard read per unit (its controller loads the shard balancer;
+        this process maps every unit's arena). Rows live in blocks dealt round-robin over the
+        units (``unit_of``), so rows ``units`` blocks apart share a unit and neighbouring blocks
+        do not. ``base``: the group's first warm-up row and partition id (``WARM_SPAN`` ids from
+        the next group's), the same on every rank (rank 0 writes what all ranks read)."""
+        from sluice.queue.storage import PLACEMENT_BLOCK
+
         self.gate.call("stats")
         if self.rank0 is not None:
             self.rank0.call("phases")
-        rows = [base + 500_000 + 1000 * self.rank + u for u in range(units)]
+        rows = [base + (self.rank * units + u) * PLACEMENT_BLOCK for u in range(units)]
         self.queue.put(rows, {"warm_up": _zeros(len(rows))})
         self.queue.clear(rows)
         for k, node in enumerate(self.nodes):
             if node.type == "generate":
                 continue
-            pid, first = base + k, base + 1000 * (k + 1)
-            if self.rank == 0:
-                indices = [first + j for j in range(node.parallel)]
-                meta = [RowMeta(i, i, 0, 1, 1, pid) for i in indices]
-                columns = {c: _zeros(len(indices)) for c in node.reads}
-                self.queue.put(indices, columns, meta, partition=Partition(pid, len(indices)))
-            shard = Shard(self.rank, node.parallel)
-            self.queue.get(
-                node.id, node.reads, node.parallel, partition=pid, shard=shard, timeout=self.settings.timeout_s
-            )
+            for u in range(units):  # one partition per unit, its rows all on that unit
+                pid = base + k * units + u
+                if self.rank == 0:
+                    first = base + (k + 1) * WARM_NODE_ROWS + u * PLACEMENT_BLOCK
+                    indices = [first + j * units * PLACEMENT_BLOCK for j in range(node.parallel)]
+                    meta = [RowMeta(i, i, 0, 1, 1, pid) for i in indices]
+                    columns = {c: _zeros(len(indices)) for c in node.reads}
+                    self.queue.put(indices, columns, meta, partition=Partition(pid, len(indices)))
+                shard = Shard(self.rank, node.parallel)
+                self.queue.get(
+                    node.id, node.reads, node.parallel, partition=pid, shard=shard, timeout=self.settings.timeout_s
+                )
 
     def round_trip(self, payload: Any) -> Any:
         """``payload`` back: the single-controller variant's warm-up of Ray's by-value path."""

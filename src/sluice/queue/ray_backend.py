@@ -12,7 +12,8 @@ Clients talk to controllers for metadata and to storage units for data, directly
 - get: the controller selects and marks rows consumed, its thread waiting on an event that those
   notifications set (no polling) until enough rows are ready, the partition is done, or the
   timeout passes; the client then reads the chosen rows from the units in parallel, one gathered
-  buffer per column per unit, and merges them in batch order.
+  buffer per column per unit, and merges them in batch order (``get_views``: a same-node reader
+  keeps views of a unit's arena until its block ends, instead of copying them out).
 - with ``free_consumed``, a unit frees a row once every registered task has read it.
 
 Transport: between processes of one node, calls go over Unix sockets (``direct``: a fraction of a
@@ -28,9 +29,10 @@ boundary), survive the loss of a unit actor, or move data through the driver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -133,15 +135,41 @@ class RayQueue:
         shard: Shard | None = None,
     ) -> Batch:
         req = ReadRequest.of(task, columns, batch_size, policy, indices, min_size, partition, shard)
-        address = self._controller_address(task)
+        batch, used = self._read(req, timeout, copy=True)
+        self._release(used)
+        return batch
+
+    @contextlib.contextmanager
+    def get_views(
+        self,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        timeout: float | None = None,
+        partition: int | None = None,
+        shard: Shard | None = None,
+    ) -> Iterator[Batch]:
+        """A fifo ``get`` without the copy out of the units' arenas: packed columns one unit read
+        on this node stay views of its shared memory, valid until the block ends (then its slots
+        go back to the unit). Copy whatever must outlive the block."""
+        req = ReadRequest.of(task, columns, batch_size, "fifo", None, None, partition, shard)
+        batch, used = self._read(req, timeout, copy=False)
+        try:
+            yield batch
+        finally:
+            self._release(used)
+
+    def _read(self, req: ReadRequest, timeout: float | None, copy: bool) -> tuple[Batch, dict[int, list[int]]]:
+        address = self._controller_address(req.task)
         if address:
             rows, done = direct.call(address, "select", req, timeout)
         else:
-            rows, done = ray.get(self._controller(task).select.remote(req, timeout))
+            rows, done = ray.get(self._controller(req.task).select.remote(req, timeout))
         metas = MetaRows(rows)
-        positions, calls = self.read_calls(task, metas, req.columns)
+        positions, calls = self.read_calls(req.task, metas, req.columns)
         parts = dict(zip(calls, fan_out(list(calls.values())), strict=True))
-        return self.assemble(metas, positions, parts, req.columns, done)
+        return _batch(metas, positions, parts, req.columns, done, copy)
 
     def clear(self, indices: Sequence[int] | None = None) -> int:
         handles = list(ray.get(self.units[0].controllers.remote()).values())
@@ -308,14 +336,9 @@ class RayQueue:
         done: bool,
     ) -> Batch:
         """The batch from the units' answers; arena slots are copied out, then released."""
-        local: dict[int, Any] = {}
-        used: dict[int, list[int]] = {}
-        for unit, part in parts.items():
-            local[unit], by_segment = shm.from_wire(part, copy=len(parts) == 1)
-            used[unit] = [s for seg in by_segment.values() for s in seg]
-        data = merge_reads(local, positions, columns, len(metas))  # copies out of the arenas
-        self._release({unit: slots for unit, slots in used.items() if slots})
-        return Batch(indices=tuple(metas.indices()), columns=data, meta=metas, done=done)
+        batch, used = _batch(metas, positions, parts, columns, done, copy=True)
+        self._release(used)
+        return batch
 
     def _release(self, slots: dict[int, list[int]]) -> None:
         """Give the units' arena slots back: direct calls on their node, all at once (~60 us against
@@ -333,6 +356,26 @@ class RayQueue:
             self.units[u].drop.remote([indices[p] for p in pos])
             for u, pos in placement(indices, len(self.units)).items()
         ]
+
+
+def _batch(
+    metas: MetaRows,
+    positions: dict[int, list[int]],
+    parts: dict[int, Any],
+    columns: Sequence[str],
+    done: bool,
+    copy: bool,
+) -> tuple[Batch, dict[int, list[int]]]:
+    """The batch from the units' answers (packed columns copied out of the arenas if ``copy``, else
+    views where one unit answered in order) and the arena slots it used, per unit."""
+    local: dict[int, Any] = {}
+    used: dict[int, list[int]] = {}
+    for unit, part in parts.items():
+        local[unit], by_segment = shm.from_wire(part, copy=copy and len(parts) == 1)
+        if slots := [s for seg in by_segment.values() for s in seg]:
+            used[unit] = slots
+    data = merge_reads(local, positions, columns, len(metas))  # several units: gathered, a copy
+    return Batch(indices=tuple(metas.indices()), columns=data, meta=metas, done=done), used
 
 
 class AsyncRayQueue:
