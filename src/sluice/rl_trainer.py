@@ -333,7 +333,7 @@ class RLTrainer:
 
         self.rollout_tracer.drain()  # the trace covers the loop only
         self.trainer_tracer.drain()
-        started, cpu = time.monotonic(), CpuMeter()
+        cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
         run_sync(self, self.config.run.steps, self.config.rollout.prompts_per_step, after_step)
         self.loop_seconds = time.monotonic() - started
         self.metrics.log("cpu", **cpu.read())  # CPU seconds in the loop: this process, its reward pool

@@ -108,7 +108,7 @@ async def run_async_training(trainer: Any) -> tuple[EvalResult, EvalResult]:
         await pipeline.trace_events()  # drop the base evaluation: the trace covers the loop only
         if trainer.resumed is not None:  # restart the groups that were generating at the checkpoint
             resume_controller(controller, trainer.resumed)
-        started, cpu = time.monotonic(), CpuMeter()
+        cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
         await controller.run(cfg.run.steps, after_step)
         trainer.loop_seconds = time.monotonic() - started
         trainer.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
