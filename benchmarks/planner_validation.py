@@ -50,7 +50,7 @@ from sluice.config.models import TrainerConfig
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
 from sluice.sim.simulate import SimConfig, simulate
-from sluice.telemetry.trace import resolve_spans
+from sluice.telemetry.trace import read_chrome_trace, resolve_spans
 
 HERE = Path(__file__).parent
 GROUP_SIZE = 8
@@ -125,7 +125,7 @@ def run_once(overrides: list[str], steps: int, skip: int, workdir: Path) -> dict
         "step_ends": ends,
         "train": [{k: r[k] for k in ("step_s", "wait_data_s", "tokens", "samples")} for r in train],
         "engine": {k: weights[f"engine_{k}"] for k in ("steps", "generated_tokens", "drive_s")},
-        "microbatches": microbatch_overlap(json.loads(trace.read_text())) if trace.is_file() else {},
+        "microbatches": microbatch_overlap(read_chrome_trace(trace)) if trace.is_file() else {},
         **{f"{k}_mean": statistics.mean(v) if v else float("nan") for k, v in samples.items()},
     }
 
