@@ -8,10 +8,11 @@ groups × 4 samples; W ∈ {2, 4, 8} workers, 1k → 32k tokens per sample. Both
 (a step's rows are all generated before they are scored), so only the data path differs. Time is
 the wall time of ``run()`` after every actor is up and has warmed its data path (``ready()``), over
 ``--steps`` steps; the driver's bytes are counted at its transport. Every run's checksums are
-verified against the generator's formula. Beside the time, each row has the CPU seconds per step
-every kind of process burnt during ``run()`` (from ``/proc``: the driver, the DAG workers, the
-queue's storage units and controllers, the gate, Ray's own processes): on a machine with fewer
-cores than processes, a step cannot take less than its CPU over the core count.
+verified against the generator's formula. Each variant runs in a fresh Ray session. Beside the
+time, each row has the CPU seconds per step every kind of process burnt during ``run()`` (from
+``/proc``: the driver, the DAG workers, the queue's storage units and controllers, the gate, Ray's
+own processes): on a machine with fewer cores than processes, a step cannot take less than its CPU
+over the core count.
 
     PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py [--quick] [--cells 8x32768,2x1024]
 
