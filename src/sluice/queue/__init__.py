@@ -36,10 +36,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("RayQueue", "AsyncRayQueue"):
-        from sluice.queue import ray_backend
+    if name == "RayQueue":
+        from sluice.queue.ray_backend import RayQueue
 
-        return getattr(ray_backend, name)
+        return RayQueue
+    if name == "AsyncRayQueue":
+        from sluice.queue.ray_async import AsyncRayQueue
+
+        return AsyncRayQueue
     if name == "QueueIterableDataset":
         from sluice.queue.dataset import QueueIterableDataset
 

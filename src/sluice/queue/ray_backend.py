@@ -28,12 +28,11 @@ boundary), survive the loss of a unit actor, or move data through the driver.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -44,6 +43,9 @@ from sluice.queue.lifecycle import common_rows
 from sluice.queue.packed import MetaRows, meta_array
 from sluice.queue.ray_actors import _Storage
 from sluice.queue.request import ReadRequest, check_put
+
+if TYPE_CHECKING:
+    from sluice.queue.ray_async import AsyncRayQueue
 from sluice.queue.storage import (
     merge_reads,
     merge_snapshots,
@@ -99,6 +101,8 @@ class RayQueue:
         return queue
 
     def as_async(self) -> AsyncRayQueue:
+        from sluice.queue.ray_async import AsyncRayQueue
+
         return AsyncRayQueue(self)
 
     def register_task(self, task: str, input_columns: Sequence[str]) -> None:
@@ -376,69 +380,3 @@ def _batch(
             used[unit] = slots
     data = merge_reads(local, positions, columns, len(metas))  # several units: gathered, a copy
     return Batch(indices=tuple(metas.indices()), columns=data, meta=metas, done=done), used
-
-
-class AsyncRayQueue:
-    """``RayQueue`` as coroutines (implements ``sluice.api.queue.AsyncQueueClient``); picklable."""
-
-    def __init__(self, queue: RayQueue) -> None:
-        self.queue = queue
-
-    async def register_task(self, task: str, input_columns: Sequence[str]) -> None:
-        units = self.queue.units
-        handle = await units[0].create_controller.remote(task, list(input_columns))
-        await asyncio.gather(*(unit.add_controller.remote(task, handle, True) for unit in units))
-        self.queue.task_handles[task] = handle
-
-    async def put(
-        self,
-        indices: Sequence[int],
-        columns: Mapping[str, Sequence[Any]],
-        meta: Sequence[RowMeta] | None = None,
-        *,
-        partition: Partition | None = None,
-    ) -> None:
-        refs, slots = self.queue.write_refs(indices, columns, meta, partition)
-        try:
-            await asyncio.gather(*refs)
-        finally:
-            if slots:
-                shm.outbox().free(slots)
-
-    async def get(
-        self,
-        task: str,
-        columns: Sequence[str],
-        batch_size: int,
-        *,
-        policy: str | Policy = "fifo",
-        indices: Sequence[int] | None = None,
-        min_size: int | None = None,
-        timeout: float | None = None,
-        partition: int | None = None,
-        shard: Shard | None = None,
-    ) -> Batch:
-        req = ReadRequest.of(task, columns, batch_size, policy, indices, min_size, partition, shard)
-        handle: Any = self.queue.task_handles.get(task)
-        if handle is None:
-            handle = await asyncio.to_thread(self.queue._controller, task)
-        rows, done = await handle.select.remote(req, timeout)
-        metas = MetaRows(rows)
-        positions, refs = self.queue.read_refs(task, metas, req.columns)
-        parts = await asyncio.gather(*refs.values())
-        return self.queue.assemble(metas, positions, dict(zip(refs, parts, strict=True)), req.columns, done)
-
-    async def clear(self, indices: Sequence[int] | None = None) -> int:
-        return await asyncio.to_thread(self.queue.clear, indices)
-
-    async def snapshot(self) -> dict[str, Any]:
-        return await asyncio.to_thread(self.queue.snapshot)
-
-    async def restore(self, state: dict[str, Any]) -> None:
-        await asyncio.to_thread(self.queue.restore, state)
-
-    async def stats(self) -> dict[str, Any]:
-        return await asyncio.to_thread(self.queue.stats)
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.queue.close)
