@@ -16,8 +16,11 @@ measurement). Three phases, each writing into one JSON file:
    step metrics, where it shares the CPU with decoding; its speed-up when alone is that rate
    over the profiled trainer's; one scale factor on the profiled engine: the engine's effective
    iteration time in the real rollout process, ``drive_s / steps`` of its stats, over the profile
-   at the same running batch), simulate every configuration with ``sim.simulate``, print the
-   table of predicted vs measured (the calibration configuration's own row is a check, not a fit).
+   at the same running batch; the response lengths the profile's policy sampled, per prompt, as
+   an empirical distribution scaled to the calibration runs' mean response), simulate every
+   configuration with ``sim.simulate`` over the prompt draws ``SEEDS`` (the prediction is their
+   mean step time), print the table of predicted vs measured (the calibration configuration's
+   own row is a check, not a fit).
 
 Replicas on this machine share the rollout worker's thread (docs/rollout.md), so r replicas are
 simulated as r engines each 1/r as fast.
@@ -49,11 +52,13 @@ from planner_validation_profile import profile_decode, profile_trainer, task_len
 from sluice.config.models import TrainerConfig
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
-from sluice.sim.simulate import SimConfig, simulate
+from sluice.sim.simulate import SimConfig, SimResult, simulate
 from sluice.telemetry.trace import read_chrome_trace, resolve_spans
 
 HERE = Path(__file__).parent
 GROUP_SIZE = 8
+SEEDS = (0, 1, 2, 3)
+"""The simulator's prompt draws a prediction averages over (round 5 on; rounds 0-4: seed 0 alone)."""
 
 
 def _sample_cpu(pid: int, stop: threading.Event, out: dict[str, list[float]]) -> None:
@@ -220,12 +225,8 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
     batch = sum(e["generated_tokens"] for e in engines) / sum(e["steps"] for e in engines)
     scale = iteration_s / (prof["decode_s"] * max(1.0, batch / prof["knee"]))
     d = prof["decode_s"] * scale
-    # Response lengths: the task's answer-length spread, scaled so the mean equals the mean
-    # response the calibration runs sampled (a policy at temperature 1 overshoots the answers).
-    sample_sigma = 0.05
     measured_mean = sum(s["tokens"] for s in steps) / sum(s["samples"] for s in steps)
-    median = measured_mean / math.exp((lengths["sigma"] ** 2 + sample_sigma**2) / 2)
-    model = LengthModel(median, lengths["sigma"], sample_sigma)
+    model = length_model(data, measured_mean)
     engine = SimEngineConfig(decode_s=d, knee=max(1, round(prof["knee"])), max_running=512,
                              prefill_s_per_token=d / prof["knee"], load_s=0.01, lengths=model)  # fmt: skip
     alone = data["profile_trainer"]["token_s"]
@@ -234,8 +235,34 @@ def calibrate(data: dict[str, Any], spec: dict[str, Any]) -> tuple[SimEngineConf
     calib = {"engine_scale": scale, "engine_iteration_s": iteration_s, "engine_mean_batch": batch,
              "train_token_s_measured": per_token, "train_token_s_alone": alone, "train_token_s": trainer.token_s,
              "alone_speedup": trainer.alone_speedup, "train_token_s_simulated": simulated,
-             "response_mean": measured_mean, "length_median": median}  # fmt: skip
+             "response_mean": measured_mean, "length_median": model.median,
+             "length_sample_sigma": model.sample_sigma, "length_prompts": len(model.prompt_lengths)}  # fmt: skip
     return engine, trainer, calib
+
+
+def length_model(data: dict[str, Any], measured_mean: float) -> LengthModel:
+    """Response lengths, scaled so their mean equals the calibration runs' mean response. From the
+    responses the profile's policy sampled (``response_lengths``: per prompt, as an empirical
+    distribution of the prompts' typical lengths, their geometric means, with the spread within a
+    prompt as the per-sample sigma): the task's prompts come in a short and a long kind, which a
+    log-normal cannot hold, and an η = 0 step waits for the longest response of each replica's
+    share. A profile without them (before round 5): the task's answers as a log-normal."""
+    groups = data.get("profile_trainer", {}).get("response_lengths")
+    if not groups:
+        sigma, sample_sigma = data["lengths"]["sigma"], 0.05
+        return LengthModel(measured_mean / math.exp((sigma**2 + sample_sigma**2) / 2), sigma, sample_sigma)
+    logs = [[math.log(max(n, 1)) for n in g] for g in groups]
+    typical = sorted(math.exp(statistics.mean(g)) for g in logs)
+    sample_sigma = math.sqrt(statistics.mean(statistics.variance(g) for g in logs if len(g) > 1))
+    scale = measured_mean / (statistics.mean(typical) * math.exp(sample_sigma**2 / 2))
+    prompt_lengths = tuple(t * scale for t in typical)
+    return LengthModel(statistics.median(prompt_lengths), 0.0, sample_sigma, prompt_lengths=prompt_lengths)
+
+
+def simulate_seeds(config: SimConfig) -> list[SimResult]:
+    """``config`` simulated with each of ``SEEDS`` (the prompts the simulator draws, and so their
+    lengths, differ by seed; one draw of 16 prompts a step is a noisy estimate of the expected step)."""
+    return [simulate(replace(config, seed=seed)) for seed in SEEDS]
 
 
 def calibrate_trainer(per_token: float, alone_token_s: float, twin: SimConfig) -> tuple[TrainerCost, float]:
@@ -248,9 +275,11 @@ def calibrate_trainer(per_token: float, alone_token_s: float, twin: SimConfig) -
     for _ in range(8):  # the alone share barely moves with the rate: a few fixed-point steps
         trainer = TrainerCost(token_s=contended, micro_batch_tokens=TrainerConfig().micro_batch_tokens,
                               alone_speedup=contended / alone_token_s)  # fmt: skip
-        result = simulate(replace(twin, trainer=trainer))
-        warm = sum(result.step_times[: twin.warmup_steps]) * 1e6
-        spans = [e for e in result.events if e.get("ph") == "X" and e["name"] == "train_microbatch" and e["ts"] >= warm]
+        spans = []
+        for result in simulate_seeds(replace(twin, trainer=trainer)):
+            warm = sum(result.step_times[: twin.warmup_steps]) * 1e6
+            spans += [e for e in result.events
+                      if e.get("ph") == "X" and e["name"] == "train_microbatch" and e["ts"] >= warm]  # fmt: skip
         simulated = sum(e["dur"] for e in spans) / 1e6 / sum(e["args"]["tokens"] for e in spans)
         contended *= per_token / simulated
     return trainer, simulated
@@ -263,14 +292,16 @@ def predict(data: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
     for config, measured in zip(spec["configs"], data["measured"], strict=True):
         if not measured["runs"]:
             continue
-        result = simulate(sim_config(config, engine, trainer, spec, data["lengths"]))
-        err = result.step_s / measured["measured_s"] - 1
+        results = simulate_seeds(sim_config(config, engine, trainer, spec, data["lengths"]))
+        predicted = statistics.mean(r.step_s for r in results)
+        err = predicted / measured["measured_s"] - 1
         runs = measured["runs"]
-        rows.append({"name": config["name"], "predicted_s": result.step_s, "measured_s": measured["measured_s"],
+        rows.append({"name": config["name"], "predicted_s": predicted, "measured_s": measured["measured_s"],
                      "error": err, "runs_s": [r["step_s"] for r in runs],
+                     "predicted_seeds_s": [r.step_s for r in results],
                      "load1": statistics.mean(r["load1_mean"] for r in runs),
                      "other_cores": statistics.mean(r["other_cores_mean"] for r in runs),
-                     "trainer_utilisation": result.trainer_utilisation,
+                     "trainer_utilisation": statistics.mean(r.trainer_utilisation for r in results),
                      **_microbatch_rates([r.get("microbatches", {}) for r in runs])})  # fmt: skip
     return rows
 

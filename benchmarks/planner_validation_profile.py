@@ -10,7 +10,9 @@ configurations).
   (generated before each step is timed), read from a local queue, alone on the machine: its
   seconds per token when nothing decodes beside it. The
   calibration runs give the same trainer's rate while it shares the CPU with decoding; the ratio
-  is the simulator's ``TrainerCost.alone_speedup``.
+  is the simulator's ``TrainerCost.alone_speedup``. The responses it samples (every step's groups,
+  ``steps · prompts_per_step`` prompts × the group size) are kept as ``response_lengths``: the
+  policy's own length distribution, per prompt, for the simulator.
 
 It does not run ``sluice train`` (``planner_validation.measure`` does) or calibrate anything.
 """
@@ -119,7 +121,8 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
     """The run's own trainer worker alone: ``steps`` whole steps of ``prompts_per_step`` groups
     (handed over ``chunk`` groups at a time, as the controller streams them), each timed as the
     calibration times a real step — busy seconds (the step minus the queue reads) over the
-    trained tokens, prompts included. Returns the mean over the steps after ``skip``."""
+    trained tokens, prompts included. Returns the mean over the steps after ``skip``, and every
+    sampled group's response lengths (``response_lengths``, one list per prompt)."""
     from sluice.config import load_config
     from sluice.controller.async_run import pipeline_spec
     from sluice.controller.pipelines import queue_tasks, trainer_kwargs
@@ -140,9 +143,10 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
     worker = TrainerWorker(**trainer_kwargs(spec, queue, InProcessWeightSync()))  # sets the run's threads
     engine = HFInferenceEngine(load_causal_lm(spec.model_dir), max_batch=spec.max_batch)
     rng = random.Random(0)
-    rates, busy, tokens = [], [], []
+    rates, busy, tokens, lengths = [], [], [], []
     for step in range(steps):
         groups = _sampled_groups(trainer, engine, prompts_per_step, step * prompts_per_step, rng)
+        lengths += [[len(s.response_ids) for s in g] for g in groups]
         for group in groups:
             queue.put(*samples_to_rows(group, spec.group_size))
         step_tokens = sum(s.num_tokens for g in groups for s in g)
@@ -159,4 +163,4 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
     queue.close()
     return {"token_s": statistics.mean(rates), "step_busy_s": busy, "step_tokens": tokens,
             "micro_batch_tokens": spec.micro_batch_tokens, "threads": spec.trainer_threads,
-            "prompts_per_step": prompts_per_step}  # fmt: skip
+            "prompts_per_step": prompts_per_step, "response_lengths": lengths}  # fmt: skip

@@ -60,6 +60,28 @@ def test_lengths_long_tailed_and_correlated_within_a_prompt() -> None:
     assert model.length((1, 2, 7), seed=5) == LengthModel(median=200, seed=3).length((1, 2, 7), seed=5)
 
 
+def test_measured_prompt_lengths_keep_a_two_kind_task_and_set_the_longest_response() -> None:
+    """A task of short (6-token) and long (24-token) prompts, 30 % long, given as a measured
+    distribution: prompts draw exactly those kinds in that share (no log-normal holds two kinds),
+    a prompt's samples share its kind, and a wave of 8 prompts decodes until its longest response."""
+    kinds = (6.0,) * 7 + (24.0,) * 3
+    model = LengthModel(median=7, prompt_sigma=0.0, sample_sigma=0.0, prompt_lengths=kinds)
+    drawn = [[model.length((p, 11, 3), seed=p * 10 + k) for k in range(4)] for p in range(2000)]
+    assert all(len(set(g)) == 1 and g[0] in (6, 24) for g in drawn)
+    assert sum(g[0] == 24 for g in drawn) / len(drawn) == pytest.approx(0.3, abs=0.04)
+    config = SimEngineConfig(decode_s=1.0, knee=1000, max_running=64, prefill_s_per_token=0.0, lengths=model)
+
+    async def wave(w: int) -> tuple[float, int]:
+        engine = SimEngine(config)
+        reqs = [_req(f"w{w}-{p}-{k}", (w, p, 5), seed=k) for p in range(8) for k in range(4)]
+        await asyncio.gather(*(engine.generate(r) for r in reqs))
+        return engine.stats()["steps"], max(model.length(r.prompt_ids, r.seed) for r in reqs)
+
+    waves = [run_virtual(wave(w)) for w in range(30)]
+    assert all(steps == longest for steps, longest in waves)
+    assert sum(longest == 24 for _, longest in waves) / len(waves) > 0.8  # 1 - 0.7**8 = 94 % expected
+
+
 def test_interrupt_versions_and_logprobs_follow_the_weights_that_sampled_each_token() -> None:
     async def main():
         engine = SimEngine(_fixed(100, decode_s=0.01, load_s=0.25, prefill_s_per_token=0.001))

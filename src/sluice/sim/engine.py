@@ -10,7 +10,8 @@ feature") so benchmarks and the planner can drive the real rollout, LLMProxy and
 - admitting requests costs ``prefill_s_per_token`` per prompt token (same-prompt requests admitted
   together share one prefill: prefix sharing);
 - a request's response length is drawn from ``LengthModel``: log-normal, long-tailed, with a
-  factor shared by every sample of one prompt (hard prompts are long for all their samples);
+  factor shared by every sample of one prompt (hard prompts are long for all their samples), or a
+  measured distribution of the prompts' lengths in place of the log-normal prompt factor;
 - weights have versions: every token carries the version of the engine that produced it, and
   ``update_weights`` follows the built-in engine's modes (``interrupt`` stalls ``load_s`` plus a
   re-prefill of the running sequences, then continues under the new version; ``defer`` and
@@ -29,6 +30,7 @@ import contextlib
 import hashlib
 import math
 import random
+import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,21 +50,36 @@ class LengthModel:
     """Response length ``median · exp(prompt_sigma · z_p + sample_sigma · z_s)`` tokens, at least
     ``min_tokens``: ``z_p ~ N(0, 1)`` from the prompt's tokens (shared by a prompt's samples),
     ``z_s ~ N(0, 1)`` from the request seed. The defaults give p99 / p50 ≈ 20 (ROLL Flash's long
-    tail) with most of the spread between prompts."""
+    tail) with most of the spread between prompts.
+
+    With ``prompt_lengths`` (a measured distribution of prompts' typical lengths, e.g. a task
+    whose prompts come in a short and a long kind, which no log-normal fits), a prompt's length is
+    that distribution's quantile at ``Φ(z_p)`` instead of ``median · exp(prompt_sigma · z_p)``;
+    the per-sample spread still applies."""
 
     median: float = 256.0
     prompt_sigma: float = 1.0
     sample_sigma: float = 0.8
     min_tokens: int = 1
     seed: int = 0
+    prompt_lengths: tuple[float, ...] = ()
+    """Sorted typical lengths of measured prompts (empirical quantiles); empty: log-normal."""
 
     def prompt_z(self, prompt_ids: Sequence[int]) -> float:
         digest = hashlib.blake2b(repr((self.seed, tuple(prompt_ids))).encode(), digest_size=8).digest()
         return random.Random(int.from_bytes(digest, "little")).gauss(0.0, 1.0)
 
+    def prompt_log_length(self, prompt_ids: Sequence[int]) -> float:
+        """The log of a prompt's typical length (before the per-sample spread)."""
+        z = self.prompt_z(prompt_ids)
+        if not self.prompt_lengths:
+            return math.log(self.median) + self.prompt_sigma * z
+        at = int(statistics.NormalDist().cdf(z) * len(self.prompt_lengths))
+        return math.log(self.prompt_lengths[min(at, len(self.prompt_lengths) - 1)])
+
     def length(self, prompt_ids: Sequence[int], seed: int) -> int:
         z_sample = random.Random(sample_seed(self.seed, seed, 0)).gauss(0.0, 1.0)
-        log_len = math.log(self.median) + self.prompt_sigma * self.prompt_z(prompt_ids) + self.sample_sigma * z_sample
+        log_len = self.prompt_log_length(prompt_ids) + self.sample_sigma * z_sample
         return max(self.min_tokens, round(math.exp(log_len)))
 
 
