@@ -29,6 +29,7 @@ from sluice.pipeline.loader import PromptSource, ShardLoader
 from sluice.pipeline.peer import Peer, endpoint_of
 from sluice.pipeline.planner import Plan
 from sluice.pipeline.spec import DagError, DagNode
+from sluice.queue.storage import PLACEMENT_BLOCK
 
 
 @dataclass(frozen=True)
@@ -240,8 +241,6 @@ class DagWorker:
         units (``unit_of``), so rows ``units`` blocks apart share a unit and neighbouring blocks
         do not. ``base``: the group's first warm-up row and partition id (``WARM_SPAN`` ids from
         the next group's), the same on every rank (rank 0 writes what all ranks read)."""
-        from sluice.queue.storage import PLACEMENT_BLOCK
-
         self.gate.call("stats")
         if self.rank0 is not None:
             self.rank0.call("phases")

@@ -104,14 +104,8 @@ class InMemoryStorageUnit:
             array = meta_array(meta)
             self._meta.update(zip(indices, map(tuple, array.tolist()), strict=True))
             return MetaRows(array)
-        known = [i in self._meta for i in indices]
-        if not any(known):
-            array = default_metas(indices)
-            self._meta.update(zip(indices, map(tuple, array.tolist()), strict=True))
-            return MetaRows(array)
-        for i in indices:
-            if i not in self._meta:
-                self._meta[i] = tuple(default_metas([i])[0].tolist())
+        new = [i for i in indices if i not in self._meta]
+        self._meta.update(zip(new, map(tuple, default_metas(new).tolist()), strict=True))
         return MetaRows(np.array([self._meta[i] for i in indices], dtype=np.int64).reshape(-1, META_FIELDS))
 
     def read(
@@ -191,7 +185,7 @@ def default_metas(indices: Sequence[int]) -> np.ndarray:
     """``metas_to_array`` of the default metas of new rows (own group, version 0, no partition)."""
     array = np.zeros((len(indices), META_FIELDS), dtype=np.int64)
     array[:, 0] = array[:, 1] = indices
-    array[:, 4] = 1
+    array[:, 4] = 1  # group_size
     array[:, PARTITION_FIELD] = -1
     return array
 

@@ -15,6 +15,8 @@ the work in contended seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 
 class SharedDevice:
@@ -38,6 +40,15 @@ class SharedDevice:
         if self.working == 0:
             self._notify()
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """A replica works for the duration of the block."""
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
@@ -45,6 +56,9 @@ class SharedDevice:
     async def spend(self, work_s: float, alone_speedup: float) -> None:
         """Take ``work_s`` seconds of work as timed beside working replicas: progress is 1 per
         second while a replica works and ``alone_speedup`` per second while none does."""
+        if alone_speedup == 1.0:  # a device of its own: the work is the time
+            await asyncio.sleep(work_s)
+            return
         loop = asyncio.get_running_loop()
         left = work_s
         while left > 0:

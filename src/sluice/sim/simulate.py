@@ -129,29 +129,20 @@ class TracedSimEngine(SimEngine):
 
     async def _decode(self, wake: asyncio.Event) -> None:
         start = self._now()
-        self._device.start()
-        try:
+        with self._device.busy():
             await super()._decode(wake)
-        finally:
-            self._device.stop()
         self._span("decode", start)
 
     async def _stall(self, sim_seconds: float) -> None:
         start = self._now()
-        self._device.start()
-        try:
+        with self._device.busy():
             await super()._stall(sim_seconds)
-        finally:
-            self._device.stop()
         self._span("weight_load", start)
 
     async def _admit(self) -> None:
         start = self._now()
-        self._device.start()
-        try:
+        with self._device.busy():
             await super()._admit()
-        finally:
-            self._device.stop()
         self._span("prefill", start)
 
     def _span(self, name: str, start: float) -> None:
@@ -222,13 +213,8 @@ class CostedTrainerPipeline(SimPipeline):
     async def _timed(self, name: str, seconds: float, tokens: int = 0) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        if self.cost.alone_speedup == 1.0:  # a device of its own: the cost is the time
-            await asyncio.sleep(seconds)
-            busy = seconds
-        else:
-            await self.device.spend(seconds, self.cost.alone_speedup)
-            busy = loop.time() - start
-        self.train_busy_s += busy
+        await self.device.spend(seconds, self.cost.alone_speedup)
+        self.train_busy_s += loop.time() - start
         if tokens:
             self.recorder.add(name, _ns(start), _ns(loop.time()), tokens=tokens)
         else:
