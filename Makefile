@@ -7,9 +7,16 @@ BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: run test lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel
+.PHONY: run test lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps
 
 venv: $(STAMP)
+
+# The code_exec sandbox's jail (docs/rewards.md): bubblewrap, from the distribution. Without it
+# the sandbox refuses to run and its tests skip, saying why.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -qq bubblewrap || { apt-get update -qq && apt-get install -y -qq bubblewrap; }; }; } || \
+		echo "bubblewrap not installed (apt-get install bubblewrap): the code sandbox will refuse to run"
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +28,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 run: $(STAMP)
 	$(BIN)/sluice train $(ARGS)
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) sandbox-deps lint typecheck
 	$(BIN)/pytest tests
 
 lint: $(STAMP)
@@ -35,7 +42,7 @@ format: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy src/sluice/api src/sluice/controller src/sluice/trainer src/sluice/queue
 
-unit: $(STAMP)
+unit: $(STAMP) sandbox-deps
 	$(BIN)/pytest tests/unit
 
 integration: $(STAMP)
