@@ -1,8 +1,6 @@
 """The code-execution sandbox's limits: CPU, memory, wall time, output, private files, bad input."""
 
 import ast
-import os
-import time
 
 import pytest
 
@@ -12,33 +10,6 @@ from sluice.rewards.sandbox import SandboxLimits, SandboxUnavailable, network_is
 
 needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")
 needs_cgroups = pytest.mark.skipif(not cgroups_available(), reason="no writable pids / memory cgroups here")
-
-
-def assert_gone(token: str) -> None:
-    """No process of this host has ``token`` in its command line (zombies aside)."""
-    for _ in range(50):
-        alive = _pids_with(token)
-        if not alive:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"processes {alive} with {token!r} outlived the sandbox")
-
-
-def _pids_with(token: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(") ", 1)[1][0]
-        except OSError:
-            continue
-        if token.encode() in cmdline and state != "Z":
-            found.append(int(entry))
-    return found
 
 
 @needs_bwrap
@@ -57,7 +28,7 @@ def test_memory_cgroup_bounds_the_whole_process_tree():
         "for _ in range(6):\n"
         "    if os.fork() == 0:\n"
         "        block = bytearray(60 * 1024**2)\n"
-        "        time.sleep(5)\n"
+        "        time.sleep(2)\n"
         "        os._exit(0)\n"
         "while True:\n"
         "    try:\n"
@@ -73,19 +44,6 @@ def test_memory_cgroup_bounds_the_whole_process_tree():
 def test_cpu_limit_ends_the_program():
     result = run_sandboxed("while True:\n    pass", SandboxLimits(cpu_s=1, wall_s=30))
     assert result.status == "cpu_limit" and result.wall_s < 30
-
-
-@needs_bwrap
-def test_wall_timeout_kills_the_program_and_its_children():
-    token = f"sluice-wall-{os.getpid()}"
-    source = (
-        "import subprocess, sys, time\n"
-        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{token}'])\n"
-        "time.sleep(60)"
-    )
-    result = run_sandboxed(source, SandboxLimits(wall_s=1.0))
-    assert result.status == "timeout" and result.wall_s < 10
-    assert_gone(token)
 
 
 @needs_bwrap
