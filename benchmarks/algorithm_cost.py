@@ -21,6 +21,7 @@ rounds is reported with its ratio to ``default``. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -38,7 +39,7 @@ from sluice.tasks import TASKS
 from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import ppo_critic_step
-from sluice.trainer.reference import frozen_engine, reference_logprobs
+from sluice.trainer.reference import frozen_engine
 from sluice.trainer.updates import UpdateSchedule, train_global_batch
 
 MICRO_BATCH_TOKENS = 2048
@@ -119,3 +120,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def reference_logprobs(engine, samples, temperature):
+    """``samples`` with the frozen reference's log-probs filled in."""
+    ref = engine.logprobs(samples, temperature)
+    return [dataclasses.replace(s, ref_logprobs=tuple(r)) for s, r in zip(samples, ref, strict=True)]

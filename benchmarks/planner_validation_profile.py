@@ -124,7 +124,6 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
     trained tokens, prompts included. Returns the mean over the steps after ``skip``, and every
     sampled group's response lengths (``response_lengths``, one list per prompt)."""
     from sluice.config import load_config
-    from sluice.controller.async_run import pipeline_spec
     from sluice.controller.pipelines import queue_tasks, trainer_kwargs
     from sluice.engines.hf_inference import HFInferenceEngine
     from sluice.engines.hf_model import load_causal_lm
@@ -136,7 +135,7 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
 
     trainer = RLTrainer(load_config(None, []))
     trainer.init_engines()  # the async run's algorithm, schedule and engine arguments; no engines
-    spec = pipeline_spec(trainer)
+    spec = trainer.pipeline_spec()
     queue = LocalQueue()
     for task, columns in queue_tasks(spec).items():
         queue.register_task(task, columns)

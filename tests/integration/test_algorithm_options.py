@@ -37,7 +37,7 @@ def _train_records(model_dir, out, name, *overrides):
 def test_kl_entropy_and_mini_batches_run_end_to_end(tiny_task_model, tmp_path, mode, request):
     if mode == "ray":
         request.getfixturevalue("ray_cluster")
-    where = ["run.mode=sync"] if mode == "sync" else ["run.mode=async", f"run.backend={mode}"]
+    where = ["run.mode=sync", "run.backend=local"] if mode == "sync" else ["run.mode=async", f"run.backend={mode}"]
     records = _train_records(tiny_task_model, tmp_path, mode, *where)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["optimizer_steps"] == 2 and r["entropy_sum"] > 0 for r in records)
@@ -67,7 +67,7 @@ PPO_KEYS = ("step", "loss", "grad_norm", "value_loss", "value_mean", "return_mea
 
 
 def test_ppo_with_a_critic_trains_in_sync_mode(tiny_task_model, tmp_path):
-    records = _train_records(tiny_task_model, tmp_path, "ppo", *PPO, "run.mode=sync")
+    records = _train_records(tiny_task_model, tmp_path, "ppo", *PPO, "run.mode=sync", "run.backend=local")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["value_tokens"] > 0 and r["value_loss"] > 0 and r["optimizer_steps"] == 2 for r in records)
     assert records[0]["value_mean"] == 0.0 and records[-1]["value_mean"] != 0.0  # the critic learns
@@ -85,7 +85,7 @@ def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, 
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     ppo = [*PPO, f"trainer.kl_coef={kl_coef}"]
-    sync = _train_records(tiny_task_model, tmp_path, "ppo-sync", *ppo, "run.mode=sync")
+    sync = _train_records(tiny_task_model, tmp_path, "ppo-sync", *ppo, "run.mode=sync", "run.backend=local")
     where = ["run.mode=async", f"run.backend={backend}", "rollout.max_staleness=0"]
     streamed = _train_records(tiny_task_model, tmp_path, f"ppo-{backend}", *ppo, *where)
     got, want = ([[r.get(k) for k in PPO_KEYS] for r in records] for records in (streamed, sync))

@@ -45,7 +45,7 @@ def _train(records, *keys):
 def test_eta0_streaming_reproduces_sync_bit_for_bit(model_dir, tmp_path, backend, request):
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
-    sync_records, sync_weights = _run(model_dir, tmp_path, "sync", "run.mode=sync")
+    sync_records, sync_weights = _run(model_dir, tmp_path, "sync", "run.mode=sync", "run.backend=local")
     async_records, async_weights = _run(
         model_dir, tmp_path, f"async-{backend}", "run.mode=async", f"run.backend={backend}", "rollout.max_staleness=0"
     )

@@ -16,6 +16,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "dag_two_rewards"
 
 def test_the_two_reward_example_dag_trains_end_to_end(tiny_task_model, tmp_path):
     overrides = [*tiny_run_overrides(tiny_task_model, tmp_path, "two"), "run.steps=2", "rollout.max_new_tokens=16"]
+    overrides += ["run.backend=local"]  # the example's run.mode: async, every custom node a worker of its own
     cfg = load_config(EXAMPLE / "config.yaml", [*overrides, f"run.dag={EXAMPLE / 'dag.yaml'}"])
     trainer = RLTrainer(cfg)
     result = trainer.fit()

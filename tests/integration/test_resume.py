@@ -48,9 +48,13 @@ def trained_ids(run_dir):
 
 
 def test_sync_resume_trains_the_same_samples_and_ends_on_the_same_weights(tiny_task_model, tmp_path):
-    whole = _fit(tiny_task_model, tmp_path, "whole", "run.mode=sync", "run.steps=4")
-    _fit(tiny_task_model, tmp_path, "cut", "run.mode=sync", "run.steps=2", "run.checkpoint_every=2")
-    resumed = _fit(tiny_task_model, tmp_path, "cut", "run.mode=sync", "run.steps=4", "run.resume=auto")
+    whole = _fit(tiny_task_model, tmp_path, "whole", "run.mode=sync", "run.backend=local", "run.steps=4")
+    _fit(
+        tiny_task_model, tmp_path, "cut", "run.mode=sync", "run.backend=local", "run.steps=2", "run.checkpoint_every=2"
+    )
+    resumed = _fit(
+        tiny_task_model, tmp_path, "cut", "run.mode=sync", "run.backend=local", "run.steps=4", "run.resume=auto"
+    )
     ids, steps = trained_ids(resumed.run_dir)
     assert steps == [1, 2, 3, 4]
     assert ids == trained_ids(whole.run_dir)[0] and set(ids.values()) == {1}

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
     [("raise", "local", "error"), ("nan", "local", "invalid"), ("raise", "sync", "error")],
 )
 def test_failed_rewards_discard_their_groups_and_the_run_goes_on(tiny_task_model, tmp_path, mode, backend, kind):
-    run = ["run.mode=sync"] if backend == "sync" else ["run.mode=async", f"run.backend={backend}"]
+    run = ["run.mode=sync", "run.backend=local"] if backend == "sync" else ["run.mode=async", f"run.backend={backend}"]
     overrides = [*tiny_run_overrides(tiny_task_model, tmp_path, f"faulty_{backend}"), "rollout.max_new_tokens=8", *run]
     result = RLTrainer(load_config(None, overrides), reward=FaultyReward(mode)).fit()
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""The synchronous loop end to end on a tiny real model: it learns, syncs, and is deterministic."""
+"""``run.mode: sync`` end to end on a tiny real model: it learns, syncs, never overlaps, and is deterministic."""
 
 import json
 
@@ -19,37 +19,39 @@ def model_dir(tiny_task_model):
     return tiny_task_model
 
 
-def _config(model_dir, out, name):
-    overrides = ["rollout.max_new_tokens=8", "trainer.micro_batch_tokens=64", "run.mode=sync"]
-    return load_config(None, [*tiny_run_overrides(model_dir, out, name), *overrides])
+def _config(model_dir, out, name, *extra):
+    overrides = ["rollout.max_new_tokens=8", "trainer.micro_batch_tokens=64", "run.mode=sync", "run.backend=local"]
+    return load_config(None, [*tiny_run_overrides(model_dir, out, name), *overrides, *extra])
+
+
+def _records(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 def _train_records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    return _records(run_dir, "train")
 
 
-def test_sync_loop_learns_syncs_and_saves(model_dir, tmp_path):
-    trainer = RLTrainer(_config(model_dir, tmp_path, "a"), reward=length_reward)
-    trainer.init_engines()
-    before = {k: v.clone() for k, v in trainer.train_engine.export_weights().items()}
-    result = trainer.fit()
+def test_sync_schedule_learns_syncs_saves_and_never_overlaps(model_dir, tmp_path):
+    before = load_causal_lm(model_dir).state_dict()
+    result = RLTrainer(_config(model_dir, tmp_path, "a"), reward=length_reward).fit()
 
-    assert result.steps == 3 and trainer.version == 3
+    assert result.steps == 3
     records = _train_records(result.run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["micro_batches"] > 1 for r in records)  # 64-token budget splits each step
     assert any(abs(r["loss"]) > 0 for r in records)
-    after = trainer.train_engine.export_weights()
+    # the barrier: every group generated before the step trained, the engines at v + 1 before the next
+    assert all(r["trained_before_generated"] == 0.0 and r["staleness_max"] == 0 for r in records)
+    assert [r["engine_version"] for r in records] == [1.0, 2.0, 3.0]
+    weights = _records(result.run_dir, "weights")[0]
+    assert weights["engine_version"] == weights["trainer_version"] == 3
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
+    after = load_causal_lm(result.final_model_dir).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "training did not change the weights"
-    engine_state = trainer.engine.model.state_dict()
-    for name, value in after.items():
-        assert torch.equal(engine_state[name], value), f"engine weight {name} differs from the trainer's"
-    assert {s.token_versions[0] for s in trainer.generate(trainer.admit(1))} == {3}
-
     assert (result.run_dir / "config.yaml").is_file()
-    reloaded = load_causal_lm(result.final_model_dir).state_dict()
-    assert all(torch.equal(reloaded[k], v) for k, v in after.items())
+    assert _records(result.run_dir, "fates")[0]["groups_trained"] == 3 * 4
 
 
 def test_same_seed_same_run(model_dir, tmp_path):
@@ -59,3 +61,13 @@ def test_same_seed_same_run(model_dir, tmp_path):
         result = trainer.fit()
         runs.append([(r["reward_mean"], r["loss"], r["response_len_mean"]) for r in _train_records(result.run_dir)])
     assert runs[0] == runs[1]
+
+
+def test_sync_runs_the_async_options_on_the_same_workers(model_dir, tmp_path):
+    """Two replicas behind the LLMProxy, and zero-signal groups discarded, counted and replaced."""
+    extra = ["rollout.replicas=2", "rollout.filter_groups=zero_signal", "run.steps=2"]
+    result = RLTrainer(_config(model_dir, tmp_path, "opts", *extra), reward=length_reward).fit()
+    fates = _records(result.run_dir, "fates")[0]
+    assert fates["groups_trained"] == 2 * 4
+    assert all(r["groups_with_signal"] == 1.0 for r in _train_records(result.run_dir))
+    assert _records(result.run_dir, "weights")[0]["engine_proxy_routed"] > 0

@@ -27,10 +27,11 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.ledger import GroupLedger, GroupState
-from sluice.controller.resume import capture_cut, queue_state_of
+from sluice.controller.resume import capture_cut
 from sluice.controller.staleness import StalenessGate
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
+from sluice.queue.snapshot import groups_snapshot
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
@@ -130,7 +131,7 @@ def test_queue_keeps_exactly_the_untrained_written_groups():
     queue.put([0, 1, 2, 3], {"ref": [[0.0]] * 4})  # groups 0 and 1 have reference log-probs
     queue.get("train", ["uid"], 2, indices=[0, 1])  # group 0 trained
     queue.get("reference", ["uid"], 4, indices=[0, 1, 2, 3])  # the reference read groups 0, 1
-    state = queue_state_of(queue.snapshot(), {1, 3})  # 2 finished after the cut
+    state = groups_snapshot(queue.snapshot(), {1, 3})  # 2 finished after the cut
     fresh = LocalQueue()
     fresh.register_task("train", ["uid", "x", "ref"])
     fresh.register_task("reference", ["uid"])

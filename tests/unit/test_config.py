@@ -69,9 +69,16 @@ def test_config_reference_is_current():
     )
 
 
-def test_async_only_rollout_options_are_refused_in_sync_mode():
-    with pytest.raises(ConfigError, match=r"rollout\.replicas, rollout\.redundant_groups: needs run\.mode=async"):
-        load_config(None, ["run.mode=sync", "rollout.replicas=2", "rollout.redundant_groups=4"])
+def test_sync_is_eta_zero_and_refuses_only_what_needs_overlap():
+    sync = ["run.mode=sync", "rollout.replicas=2", "rollout.redundant_groups=4", "rollout.filter_groups=zero_signal"]
+    cfg = load_config(None, [*sync, "rollout.engine=vllm", "agentic.env=calculator", "trainer.data_parallel=2"])
+    assert cfg.rollout.max_staleness == 0 and cfg.rollout.replicas == 2 and cfg.trainer.data_parallel == 2
+    assert load_config(None, ["run.mode=sync", "rollout.max_staleness=0"]).rollout.max_staleness == 0
+    with pytest.raises(ConfigError, match=r"rollout\.max_staleness: run\.mode=sync trains on-policy"):
+        load_config(None, ["run.mode=sync", "rollout.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"rollout\.forced_lag: .* needs run\.mode=async"):
+        load_config(None, ["run.mode=sync", "rollout.forced_lag=true"])
+    assert load_config(None, []).rollout.max_staleness == 1  # async keeps its default bound
     cfg = load_config(None, ["rollout.replicas=2", "rollout.redundant_groups=16", "rollout.scheduling=batch"])
     assert (cfg.rollout.replicas, cfg.rollout.redundant_groups, cfg.rollout.scheduling) == (2, 16, "batch")
 
@@ -82,5 +89,5 @@ def test_data_parallel_takes_ppo_updates_but_not_a_critic():
     assert load_config(None, [*dp, *updates]).trainer.ppo_mini_batches == 4
     with pytest.raises(ConfigError, match="does not train a critic yet"):
         load_config(None, [*dp, "trainer.algorithm=ppo"])
-    with pytest.raises(ConfigError, match=r"needs run\.mode: async and run\.backend: ray"):
+    with pytest.raises(ConfigError, match=r"needs run\.backend: ray"):
         load_config(None, ["trainer.data_parallel=2", "run.backend=local"])

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from chain import ColocatedChain
 from sluice.api import Sample
 from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.pipeline import compile_dag, load_dag
-from sluice.pipeline.chain import ColocatedChain
 from sluice.pipeline.model_nodes import ModelBindings
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import ppo_critic_step
-from sluice.trainer.reference import frozen_engine, reference_logprobs
+from sluice.trainer.reference import frozen_engine
 from sluice.trainer.updates import UpdateSchedule, train_global_batch
 from tiny import VOCAB, tiny_llama
 
@@ -109,3 +109,9 @@ def test_the_two_reward_example_dag_changes_the_reward_the_update_sees():
     assert got == want and _same_weights(*engines)
     plain = train_global_batch(HFTrainEngine(tiny_llama(0), lr=1e-2), samples, algo, MB_TOKENS, SCHEDULE, 1.0)
     assert plain["loss"] != want["loss"]
+
+
+def reference_logprobs(engine, samples, temperature):
+    """``samples`` with the frozen reference's log-probs filled in."""
+    ref = engine.logprobs(samples, temperature)
+    return [dataclasses.replace(s, ref_logprobs=tuple(r)) for s, r in zip(samples, ref, strict=True)]

@@ -12,7 +12,7 @@ import pytest
 from sluice.cli import main
 from sluice.config import ConfigError, load_config
 from sluice.pipeline import BUILTIN_DAGS, DagError, compile_dag, load_dag, parse_dag
-from sluice.pipeline.run_dag import async_queue_tasks, default_dag, plan_for_run
+from sluice.pipeline.run_dag import default_dag, place_dag, plan_for_run
 
 SAMPLE = ["uid", "prompt_ids", "response_ids", "behav_logprobs", "token_versions", "loss_mask", "reward", "meta"]
 
@@ -164,18 +164,24 @@ def test_the_run_dag_follows_the_algorithm_and_must_agree_with_it():
         plan_for_run(load_config(None, ["run.dag=nowhere.yaml"]))
 
 
-def test_async_queue_tasks_come_from_the_dag_and_match_the_algorithms():
+def test_the_dag_placement_gives_each_node_after_rollout_a_task_and_the_trainer_the_rest():
     from sluice.queue.samples import train_columns
 
     for name, with_reference in (("grpo", False), ("grpo_kl", True)):
-        tasks = async_queue_tasks(compile_dag(load_dag(name)), "train", "reference", "critic")
+        placed = place_dag(compile_dag(load_dag(name)), "train")
         want = {"train": train_columns(with_reference)}
         if with_reference:
             want["reference"] = tuple(SAMPLE)
-        assert tasks == want
+        assert placed.tasks == want and placed.reward_column is None
+        assert [n.function for n in placed.node_workers] == (["reference_logprobs"] if with_reference else [])
     # PPO: the critic's values are a task of their own (whatever the pool), the trainer reads them
     for name, with_reference in (("ppo", False), ("ppo_kl", True)):
-        tasks = async_queue_tasks(compile_dag(load_dag(name)), "train", "reference", "critic")
-        assert tasks.pop("critic") == tuple(SAMPLE)
+        tasks = dict(place_dag(compile_dag(load_dag(name)), "train").tasks)
+        assert tasks.pop("values") == tuple(SAMPLE)
         assert tasks.pop("reference", None) == (tuple(SAMPLE) if with_reference else None)
         assert set(tasks.pop("train")) == {*train_columns(with_reference), "values"} and not tasks
+    # a user DAG: each compute node is a task; the trainer waits for the combined reward it reads
+    placed = place_dag(compile_dag(load_dag("examples/dag_two_rewards/dag.yaml")), "train")
+    assert [n.id for n in placed.node_workers] == ["length_penalty", "total_reward"]
+    assert placed.tasks["total_reward"] == ("reward", "length_penalty")
+    assert "total_reward" in placed.tasks["train"] and placed.reward_column == "total_reward"

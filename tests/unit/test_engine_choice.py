@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sluice.config import ConfigError, load_config
+from sluice.config import load_config
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm
@@ -33,14 +33,13 @@ def test_hf_is_the_default_and_unknown_names_fail(model_dir: Path) -> None:
         build_inference_engine("tgi", model_dir, max_batch=3)
 
 
-def test_engine_options_come_from_their_section_and_need_async() -> None:
+def test_engine_options_come_from_their_section_in_either_mode() -> None:
     cfg = load_config(None, ["rollout.engine=vllm", "vllm.kv_cache_mb=64", "vllm.dtype=bfloat16"])
     assert cfg.engine_options()["kv_cache_mb"] == 64 and cfg.engine_options()["dtype"] == "bfloat16"
     assert load_config(None, []).engine_options() == {}
     sglang = load_config(None, ["rollout.engine=sglang", "sglang.url=http://10.0.0.2:30000"]).engine_options()
     assert sglang["url"] == "http://10.0.0.2:30000" and sglang["weights_dir"] == "/dev/shm"
-    with pytest.raises(ConfigError, match=r"only with run\.mode: async"):
-        load_config(None, ["rollout.engine=vllm", "run.mode=sync"])
+    assert load_config(None, ["rollout.engine=vllm", "run.mode=sync"]).rollout.engine == "vllm"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

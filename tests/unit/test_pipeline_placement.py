@@ -15,8 +15,6 @@ from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
 from sluice.controller.ray_pipeline import RayPipeline, actor_cpu_share
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
-from sluice.trainer.column_task import ColumnTaskWorker
-from sluice.trainer.critic_task import CRITIC_TASK
 from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec
 from sluice.trainer.worker import TRAIN_TASK
 
@@ -44,8 +42,8 @@ def test_the_critic_values_task_gets_a_worker_and_the_trainer_reads_its_column()
     critic = _spec(critic=CriticSpec(lr=1e-3))
     assert actor_cpu_share(2.0, critic) * 3 <= 2.0  # rollout, trainer and the critic-values worker
     tasks = queue_tasks(critic)
-    assert tasks[CRITIC_TASK] == SAMPLE_COLUMNS and tasks[TRAIN_TASK] == (*SAMPLE_COLUMNS, VALUES_COLUMN)
-    assert CRITIC_TASK not in queue_tasks(_spec())
+    assert tasks["values"] == SAMPLE_COLUMNS and tasks[TRAIN_TASK] == (*SAMPLE_COLUMNS, VALUES_COLUMN)
+    assert set(queue_tasks(_spec())) == {TRAIN_TASK}
 
 
 def test_a_failed_column_task_stops_the_run_instead_of_leaving_the_trainer_waiting():
@@ -63,13 +61,11 @@ def test_a_failed_column_task_stops_the_run_instead_of_leaving_the_trainer_waiti
 
     asyncio.run(scenario())
 
-    class Broken(ColumnTaskWorker):
-        task, output = CRITIC_TASK, VALUES_COLUMN
-
+    class Broken:
         def serve(self) -> int:
             raise ValueError("no critic")
 
-    local = SimpleNamespace(_column_tasks=ThreadPoolExecutor(1), queue=LocalQueue(), _served=[])
-    LocalPipeline._serve(local, Broken(local.queue, 1))  # type: ignore[arg-type]
-    local._column_tasks.shutdown(wait=True)
+    local = SimpleNamespace(_node_tasks=ThreadPoolExecutor(1), queue=LocalQueue(), _served=[])
+    LocalPipeline._serve(local, Broken())  # type: ignore[arg-type]
+    local._node_tasks.shutdown(wait=True)
     assert local.queue._closed and isinstance(local._served[0].exception(), ValueError)

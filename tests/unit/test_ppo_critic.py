@@ -14,10 +14,11 @@ import torch
 from sluice.api import Sample
 from sluice.engines.critic import CriticEngine, clipped_value_loss
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.pipeline.node_worker import NodeTaskWorker
+from sluice.pipeline.spec import load_dag
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.critic_task import CRITIC_TASK, CriticValuesWorker
 from sluice.trainer.ppo import (
     VALUES_COLUMN,
     CriticSpec,
@@ -158,8 +159,9 @@ def test_critic_values_task_values_each_row_with_a_critic_no_older_than_its_vers
     sync = InProcessWeightSync()
     queue = LocalQueue()
     queue.register_task(TRAIN_TASK, (*SAMPLE_COLUMNS, VALUES_COLUMN))
-    queue.register_task(CRITIC_TASK, CriticValuesWorker.inputs)
-    worker = CriticValuesWorker(model_dir, queue, spec, sync, batch_rows=8)
+    node = _values_node()
+    queue.register_task(node.id, node.reads)
+    worker = NodeTaskWorker(node, queue, model_dir=model_dir, critic=spec, critic_sync=sync, batch_rows=8)
     thread = threading.Thread(target=worker.serve)
     thread.start()
     try:
@@ -174,18 +176,26 @@ def test_critic_values_task_values_each_row_with_a_critic_no_older_than_its_vers
         batch = queue.get(TRAIN_TASK, (*SAMPLE_COLUMNS, VALUES_COLUMN), 2, timeout=30)
         order = sorted(range(len(batch)), key=lambda k: batch.indices[k])
         assert [batch.columns[VALUES_COLUMN][k] for k in order] == published.values(new)
-        assert worker.version == 1 and all(not p.requires_grad for p in worker.critic.model.parameters())
+        critic = worker.context.models.critic
+        assert worker.context.version == 1 and all(not p.requires_grad for p in critic.model.parameters())
     finally:
         queue.close()
         thread.join(timeout=30)
     assert worker.rows_done == 4
 
 
+def _values_node():
+    return next(n for n in load_dag("ppo").nodes if n.function == "critic_values")
+
+
 def test_critic_values_task_fails_loudly_when_the_critic_never_comes(model_dir):
-    worker = CriticValuesWorker(model_dir, LocalQueue(), CriticSpec(lr=1e-2), InProcessWeightSync(), wait_s=0.05)
-    worker.load_newest(0)  # its own build is version 0
+    worker = NodeTaskWorker(
+        _values_node(), LocalQueue(), model_dir=model_dir, critic=CriticSpec(lr=1e-2),
+        critic_sync=InProcessWeightSync(), wait_s=0.05,
+    )  # fmt: skip
+    worker.load_newest_critic(0)  # its own build is version 0
     with pytest.raises(TimeoutError, match="critic version 3 was not published"):
-        worker.load_newest(3)
+        worker.load_newest_critic(3)
 
 
 def test_trainer_worker_trains_actor_and_critic_from_the_values_column_and_checkpoints_both(model_dir, tmp_path):

@@ -135,7 +135,7 @@ def test_abort_pause_weights_and_replicas_in_and_out_lose_nothing() -> None:
 
 def test_config_and_construction_refuse_what_cannot_work() -> None:
     with pytest.raises(ValueError, match=r"fleet\.lpt"):
-        check_fleet(FleetConfig(long_tail_replicas=1), "async", "local")
+        check_fleet(FleetConfig(long_tail_replicas=1), "local")
     assert long_tail_split(FleetConfig(lpt=True), 32) is None
     split = long_tail_split(FleetConfig(lpt=True, long_tail_replicas=2, long_tail_max_batch=64), 32)
     assert split is not None and (split.replicas, split.max_batch, split.share) == (2, 32, 0.2)

@@ -15,11 +15,12 @@ from loss_cases import run_loss
 from sluice.api import Sample
 from sluice.api.types import LossInputs, LossOutputs
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.pipeline.node_worker import NodeTaskWorker
+from sluice.pipeline.spec import load_dag
 from sluice.queue import LocalQueue
 from sluice.queue.samples import REF_COLUMN, rows_to_samples, samples_to_rows, train_columns
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.losses.regularizers import add_regularizers, kl_estimate, sequence_kl, token_entropy
-from sluice.trainer.reference import REF_INPUT_COLUMNS, REF_TASK, ReferenceWorker
 from sluice.trainer.worker import TRAIN_TASK
 from tiny import tiny_llama
 
@@ -162,11 +163,12 @@ def test_reference_worker_writes_the_column_the_trainer_waits_for(tmp_path):
               for g in range(3)]  # fmt: skip
     queue = LocalQueue()
     queue.register_task(TRAIN_TASK, train_columns(True))
-    queue.register_task(REF_TASK, REF_INPUT_COLUMNS)
+    node = next(n for n in load_dag("grpo_kl").nodes if n.function == "reference_logprobs")
+    queue.register_task(node.id, node.reads)
     for group in groups:
         queue.put(*samples_to_rows(group, 2))
     assert len(queue.get(TRAIN_TASK, train_columns(True), 6, timeout=0)) == 0  # waits for the reference step
-    worker = ReferenceWorker(tmp_path, queue, {"lr": 1.0}, batch_rows=4)
+    worker = NodeTaskWorker(node, queue, model_dir=tmp_path, engine_kwargs={"lr": 1.0}, batch_rows=4)
     thread = threading.Thread(target=worker.serve)
     thread.start()
     batch = queue.get(TRAIN_TASK, train_columns(True), 6, timeout=30)
@@ -177,4 +179,4 @@ def test_reference_worker_writes_the_column_the_trainer_waits_for(tmp_path):
     assert worker.rows_done == 6 and REF_COLUMN in batch.columns
     for s, row in zip(samples, want, strict=True):
         assert s.ref_logprobs == pytest.approx(row, abs=1e-5)
-    assert all(not p.requires_grad for p in worker.engine.model.parameters())
+    assert all(not p.requires_grad for p in worker.context.models.reference.model.parameters())

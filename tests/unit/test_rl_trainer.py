@@ -4,14 +4,6 @@ from sluice import RLTrainer
 from sluice.config import ConfigError, load_config
 
 
-def test_sync_verbs_refuse_async_mode():
-    trainer = RLTrainer(load_config(None, ["run.mode=async"]))
-    with pytest.raises(RuntimeError, match=r"run.mode=sync"):
-        trainer.send_experience_data([])
-    with pytest.raises(RuntimeError, match=r"run.mode=sync"):
-        trainer.sync_actor_model()
-
-
 def test_unknown_task_names_the_field():
     with pytest.raises(ConfigError, match=r"task.name: unknown task 'nope'"):
         RLTrainer(load_config(None, ["task.name=nope"]))

@@ -213,7 +213,8 @@ def test_two_ranks_summing_each_update_equal_one_process_over_mini_batches_and_e
     assert [u["grad_norm"] for u in ranks[0][1]] == pytest.approx([u["grad_norm"] for u in one], rel=1e-4)
     assert _summed(ranks, "tokens") == [u["tokens"] for u in one]
     for name, value in one_weights.items():  # Adam turns float noise in tiny gradients into ~lr·1e-3
-        torch.testing.assert_close(ranks[0][0][name], value, atol=1e-4, rtol=1e-4)
+        # (1.4e-4 seen on one of 2048 elements on some CPUs; a wrong normaliser moves far more)
+        torch.testing.assert_close(ranks[0][0][name], value, atol=3e-4, rtol=1e-4)
     wrong = _two_ranks(stale, schedule, whole_step_plan=False)
     assert _summed(wrong, "loss") != pytest.approx([u["loss"] for u in one], abs=1e-3)
     assert [u["grad_norm"] for u in wrong[0][1]] != pytest.approx([u["grad_norm"] for u in one], rel=1e-3)

@@ -111,5 +111,4 @@ def test_fleet_config_picks_the_transfer() -> None:
         load_config(None, ["fleet.weight_transfer=broadcast", "run.backend=local"])
     with pytest.raises(ValueError, match=r"fleet\.replica_actors needs"):
         load_config(None, ["fleet.replica_actors=true", "run.backend=local"])
-    with pytest.raises(ValueError, match=r"fleet\.lpt needs"):
-        load_config(None, ["fleet.lpt=true", "run.mode=sync"])
+    assert load_config(None, ["fleet.lpt=true", "run.mode=sync"]).fleet.lpt  # sync runs the same LLMProxy

@@ -76,13 +76,11 @@ class AgenticConfig(Section):
 
 
 def check_agentic(config: SluiceConfig, task_env: str | None) -> None:
-    """A multi-turn run (``agentic.env`` or the task's env) needs the asynchronous loop, and
-    ``num_env_groups`` at least the step's groups. Raises ``ConfigError`` naming the field."""
+    """A multi-turn run needs ``num_env_groups`` at least the step's groups. Raises
+    ``ConfigError`` naming the field."""
     from sluice.config import ConfigError
 
     agentic = config.agentic
-    if (agentic.env or task_env) and config.run.mode != "async":
-        raise ConfigError("agentic: multi-turn environments run only with run.mode: async")
     if agentic.num_env_groups is not None and agentic.num_env_groups < config.rollout.prompts_per_step:
         raise ConfigError(
             f"agentic.num_env_groups: {agentic.num_env_groups} is below rollout.prompts_per_step "

@@ -20,7 +20,7 @@ class FleetConfig(_Section):
     replica) to the waiting request with the longest prediction, and routing by predicted
     rather than maximum length. Turn it on when responses are long-tailed and prompts wait for
     slots (more samples in flight than ``rollout.max_batch`` × replicas): long samples start first
-    instead of last. ``run.mode: async`` only."""
+    instead of last."""
 
     long_tail_replicas: int = Field(default=0, ge=0)
     """Skewness-aware dispatch (StreamRL): replicas dedicated to the requests the length ranker
@@ -57,7 +57,7 @@ class FleetConfig(_Section):
     NCCL on CUDA: each version is pushed as soon as it is published, beside the next training
     step, so the sync finds it already there). Use ``broadcast`` when weights are large relative to
     a step (the object store copies them twice and fetches only when asked); ``run.backend: ray``
-    and ``run.mode: async`` only, on one node (the group meets at a port on the trainer's node)."""
+    only, on one node (the group meets at a port on the trainer's node)."""
 
     broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``weight_transfer: broadcast``: the collective library (``auto``: NCCL when CUDA is
@@ -68,16 +68,13 @@ class FleetConfig(_Section):
     (a receiver waits inside a broadcast for the next version, so keep it above a step's time)."""
 
 
-def check_fleet(fleet: FleetConfig, mode: str, backend: str) -> None:
+def check_fleet(fleet: FleetConfig, backend: str) -> None:
     """Refuse fleet options the run's placement cannot honour (one clear error)."""
-    if fleet.lpt and mode != "async":
-        raise ValueError("fleet.lpt needs run.mode: async (the sync loop drives one engine without the LLMProxy)")
     if fleet.long_tail_replicas and not fleet.lpt:
         raise ValueError("fleet.long_tail_replicas needs fleet.lpt: true (the long tail is what the ranker predicts)")
-    if fleet.replica_actors and (mode != "async" or backend != "ray"):
-        raise ValueError("fleet.replica_actors needs run.mode: async and run.backend: ray")
-    if fleet.weight_transfer == "broadcast" and (mode != "async" or backend != "ray"):
+    if fleet.replica_actors and backend != "ray":
+        raise ValueError("fleet.replica_actors needs run.backend: ray")
+    if fleet.weight_transfer == "broadcast" and backend != "ray":
         raise ValueError(
-            "fleet.weight_transfer: broadcast needs run.mode: async and run.backend: ray "
-            "(trainer and engines in separate processes)"
+            "fleet.weight_transfer: broadcast needs run.backend: ray (trainer and engines in separate processes)"
         )

@@ -1,2 +1,3 @@
-"""The controller: the main loops (``sync_loop``, ``async_loop``), the staleness gate, the group
-ledger, and worker placement (``pipelines``). Components never import it."""
+"""The controller: the training loop (``async_loop``, with the ``sync`` barrier schedule and the
+``async`` streaming one), the staleness gate, the group ledger, checkpoints, the typed run
+object, and worker placement (``pipelines``, ``ray_pipeline``). Components never import it."""

@@ -58,8 +58,13 @@ StepCallback = Callable[[int, list[int], dict[str, float]], Awaitable[bool]]
 class AsyncController:
     """Runs ``steps`` training steps of ``groups_per_step`` groups over an ``AsyncPipeline``."""
 
-    def __init__(self, pipeline: AsyncPipeline, ledger: GroupLedger, groups_per_step: int) -> None:
+    def __init__(
+        self, pipeline: AsyncPipeline, ledger: GroupLedger, groups_per_step: int, *, barrier: bool = False
+    ) -> None:
         self.pipeline = pipeline
+        self.barrier = barrier
+        """The ``sync`` schedule: a step trains only once no group is generating, and the engines
+        load the new version before the step is reported (no overlap of any kind)."""
         self.ledger = ledger
         self.groups_per_step = groups_per_step
         self.version = pipeline.engine_version
@@ -89,6 +94,8 @@ class AsyncController:
                 self.version += 1
                 await self._await_sync()  # one weight sync in flight at a time
                 self._sync = asyncio.create_task(self._sync_weights(self.version))
+                if self.barrier:  # sync: the engines hold v + 1 before anything else happens
+                    await self._await_sync()
                 if not await after_step(self.version, chosen, metrics):
                     break
             await self._await_sync()
@@ -100,7 +107,8 @@ class AsyncController:
         chosen: list[int] = []
         while len(chosen) < self.groups_per_step:
             self._raise_failure()
-            batch = self._choose(self.groups_per_step - len(chosen), already=len(chosen))
+            generating = self.barrier and self.ledger.in_flight > 0
+            batch = [] if generating else self._choose(self.groups_per_step - len(chosen), already=len(chosen))
             if not batch:  # wait for a group to finish, be admitted, or be discarded
                 self._news.clear()
                 await self._news.wait()

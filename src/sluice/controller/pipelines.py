@@ -21,17 +21,18 @@ from typing import Any
 from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
 from sluice.config.fleet import FleetConfig
 from sluice.config.models import RewardConfig
+from sluice.pipeline.node_worker import NodeTaskWorker
+from sluice.pipeline.planner import compile_dag
+from sluice.pipeline.run_dag import DagPlacement, place_dag
+from sluice.pipeline.spec import load_dag
 from sluice.queue import AsyncLocalQueue, LocalQueue
-from sluice.queue.samples import train_columns
+from sluice.queue.snapshot import groups_snapshot
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.filters import GroupFilter
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
-from sluice.trainer.column_task import ColumnTaskWorker
-from sluice.trainer.critic_task import CRITIC_TASK, CriticValuesWorker
-from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec
-from sluice.trainer.reference import REF_INPUT_COLUMNS, REF_TASK, ReferenceWorker
+from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
@@ -67,8 +68,9 @@ class PipelineSpec:
     engine: str = "hf"
     engine_options: dict[str, Any] = field(default_factory=dict)
     fleet: FleetConfig = field(default_factory=FleetConfig)
-    tasks: dict[str, tuple[str, ...]] | None = None
-    """The queue's tasks and their input columns, compiled from the run's DAG (``None``: from the algorithm)."""
+    dag: DagPlacement | None = None
+    """The run's DAG over the workers: queue tasks, node workers, the reward column (``None``: the
+    algorithm's built-in DAG)."""
     agentic: EnvRolloutSpec | None = None
     """Multi-turn episodes of an environment instead of single-turn groups (``rollout/agentic.py``)."""
     critic: CriticSpec | None = None
@@ -88,9 +90,9 @@ class _Pipeline:
     def next_prompt(self) -> PromptItem:
         return self.prompts.take(1)[0]
 
-    async def queue_snapshot(self) -> dict[str, Any]:
-        """The queue's plain-data state (for a checkpoint; ``controller/resume.py`` filters it)."""
-        return await asyncio.to_thread(self.queue.snapshot)
+    async def queue_snapshot(self, group_ids: set[int]) -> dict[str, Any]:
+        """The queue's plain-data state of ``group_ids``' rows, untrained (for a checkpoint)."""
+        return groups_snapshot(await asyncio.to_thread(self.queue.snapshot), group_ids)
 
     async def queue_restore(self, state: dict[str, Any]) -> None:
         await asyncio.to_thread(self.queue.restore, state)
@@ -111,16 +113,15 @@ class LocalPipeline(_Pipeline):
         self.rollout_worker = RolloutWorker(**rollout_kwargs(spec, AsyncLocalQueue(self.queue)))
         self.trainer = TrainerWorker(**trainer_kwargs(spec, self.queue, self.weight_sync, critic_sync))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-trainer")
-        self._column_tasks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-column-task")
+        nodes = placement(spec).node_workers
+        self._node_tasks = ThreadPoolExecutor(max_workers=max(len(nodes), 1), thread_name_prefix="sluice-node")
         self._served: list[Future[int]] = []
         """Each serves its queue task until the queue closes (``close`` raises what one raised)."""
-        if spec.algorithm.uses_reference:
-            self._serve(ReferenceWorker(spec.model_dir, self.queue, spec.engine_kwargs))
-        if spec.critic is not None and critic_sync is not None:
-            self._serve(CriticValuesWorker(spec.model_dir, self.queue, spec.critic, critic_sync))
+        for node in nodes:
+            self._serve(NodeTaskWorker(node, self.queue, **node_worker_kwargs(spec, critic_sync)))
 
-    def _serve(self, worker: ColumnTaskWorker) -> None:
-        served = self._column_tasks.submit(worker.serve)
+    def _serve(self, worker: NodeTaskWorker) -> None:
+        served = self._node_tasks.submit(worker.serve)
         # a failed task would leave the trainer waiting for its column: close the queue instead
         served.add_done_callback(lambda done: done.exception() is not None and self.queue.close())
         self._served.append(served)
@@ -176,7 +177,7 @@ class LocalPipeline(_Pipeline):
         self.queue.close()
         self.rollout_worker.close()
         self._thread.shutdown(wait=True)
-        self._column_tasks.shutdown(wait=True)
+        self._node_tasks.shutdown(wait=True)
         for served in self._served:
             served.result()  # re-raises a column task's failure
 
@@ -205,18 +206,28 @@ def weight_syncs(fleet: FleetConfig, name: str) -> tuple[WeightSync, WeightSync]
     return sync, sync
 
 
+def placement(spec: PipelineSpec) -> DagPlacement:
+    """The run's DAG placement, or the built-in DAG's for the spec's algorithm and critic."""
+    if spec.dag is not None:
+        return spec.dag
+    name = ("ppo" if spec.critic is not None else "grpo") + ("_kl" if spec.algorithm.uses_reference else "")
+    return place_dag(compile_dag(load_dag(name)), TRAIN_TASK)
+
+
 def queue_tasks(spec: PipelineSpec) -> dict[str, tuple[str, ...]]:
-    """The queue's tasks and their input columns: the DAG's, else ``train`` plus ``reference`` for a
-    KL term and ``critic`` for PPO's values (which ``train`` then reads)."""
-    if spec.tasks is not None:
-        return dict(spec.tasks)
-    values = (VALUES_COLUMN,) if spec.critic is not None else ()
-    tasks = {TRAIN_TASK: train_columns(spec.algorithm.uses_reference) + values}
-    if spec.algorithm.uses_reference:
-        tasks[REF_TASK] = REF_INPUT_COLUMNS
-    if spec.critic is not None:
-        tasks[CRITIC_TASK] = CriticValuesWorker.inputs
-    return tasks
+    """The queue's tasks and their input columns: ``train`` and one per node worker."""
+    return dict(placement(spec).tasks)
+
+
+def node_worker_kwargs(spec: PipelineSpec, critic_sync: WeightSync | None) -> dict[str, Any]:
+    """What a ``NodeTaskWorker`` needs besides its node and queue (models are built in its process)."""
+    return {
+        "model_dir": spec.model_dir,
+        "engine_kwargs": spec.engine_kwargs,
+        "critic": spec.critic,
+        "critic_sync": critic_sync,
+        "threads": spec.trainer_threads,
+    }
 
 
 def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
@@ -257,4 +268,5 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
         "trace": spec.trace,
         "critic": spec.critic,
         "critic_sync": critic_sync,
+        "reward_column": placement(spec).reward_column,
     }

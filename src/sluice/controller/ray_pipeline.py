@@ -16,17 +16,18 @@ from sluice.api import GroupReport, PromptItem
 from sluice.controller.pipelines import (
     PipelineSpec,
     _Pipeline,
+    node_worker_kwargs,
+    placement,
     queue_tasks,
     rollout_kwargs,
     trainer_kwargs,
     wait_engine_version,
     weight_syncs,
 )
+from sluice.pipeline.node_worker import NodeTaskWorker
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
-from sluice.trainer.critic_task import CriticValuesWorker
-from sluice.trainer.reference import ReferenceWorker
 from sluice.trainer.worker import TrainerWorker
 
 
@@ -68,18 +69,11 @@ class RayPipeline(_Pipeline):
         self._rank_tokens: list[int] = []
         self._step_groups = 0
         """Groups handed to the ranks this step: the next group's position in the step."""
-        self.reference_actor = None
-        self._served: list[Any] = []
-        """``serve`` calls of the column-task actors: they return only when the queue shuts down."""
-        if spec.algorithm.uses_reference:
-            reference_cls: Any = ray.remote(ReferenceWorker).options(**_actor_options(1, True, share))
-            self.reference_actor = reference_cls.remote(spec.model_dir, self.queue, spec.engine_kwargs)
-            self._served.append(self.reference_actor.serve.remote())
-        self.critic_actor = None
-        if spec.critic is not None:
-            critic_cls: Any = ray.remote(CriticValuesWorker).options(**_actor_options(1, True, share))
-            self.critic_actor = critic_cls.remote(spec.model_dir, self.queue, spec.critic, self.critic_sync)
-            self._served.append(self.critic_actor.serve.remote())
+        node_cls: Any = ray.remote(NodeTaskWorker).options(**_actor_options(1, True, share))
+        node_kwargs = node_worker_kwargs(spec, self.critic_sync)
+        self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in placement(spec).node_workers]
+        self._served: list[Any] = [actor.serve.remote() for actor in self.node_actors]
+        """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
@@ -182,7 +176,7 @@ class RayPipeline(_Pipeline):
     def close(self) -> None:
         import ray
 
-        for handle in (self.rollout_actor, *self.trainer_actors, self.reference_actor, self.critic_actor):
+        for handle in (self.rollout_actor, *self.trainer_actors, *self.node_actors):
             if handle is not None:
                 ray.kill(handle)
         self.queue.shutdown()
@@ -195,7 +189,7 @@ async def _awaited(ref: Any) -> Any:
 def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:
     """Ray CPUs per actor so that rollout, every trainer rank, the reference and the critic's
     values worker fit together."""
-    actors = 1 + spec.data_parallel + int(spec.algorithm.uses_reference) + int(spec.critic is not None)
+    actors = 1 + spec.data_parallel + len(placement(spec).node_workers)
     return min(1.0, cluster_cpus / actors)
 
 

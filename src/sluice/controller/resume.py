@@ -1,18 +1,17 @@
-"""What a checkpoint holds for each loop, and how a run captures it and continues from it.
+"""What a checkpoint holds, and how a run captures it and continues from it.
 
-Both loops checkpoint at a step boundary (the trainer between steps). ``mode: sync``: the train
-engine (and critic), the version, the dataset cursor, the counters, the RNG. ``mode: async`` adds
-the controller's books as one synchronous cut — the ledger (every group's state, versions,
-counters, staleness credits), the reports of groups not yet trained, the next group id and the
-prompts of groups still generating — and the queue's rows of the groups that were written and
-not yet trained. Admission and generation never pause: groups still generating at the cut are
-restarted on resume with the same ids and prompts (``regenerated_restart_groups``), groups that
-finish after the cut are dropped from the snapshot, so every admitted group is trained exactly
-once. Each step's trained sample ids go to ``trained_ids.jsonl``, cut back with the metrics on
-resume.
+Every mode checkpoints at a step boundary (the trainer between steps): the trainer's state
+(weights, optimizer, critic, RNG, version), the dataset cursor, the RNG, and the controller's
+books as one synchronous cut — the ledger (every group's state, versions, counters, staleness
+credits), the reports of groups not yet trained, the next group id and the prompts of groups
+still generating — and the queue's rows of the groups that were written and not yet trained.
+Admission and generation never pause: groups still generating at the cut are restarted on resume
+with the same ids and prompts (``regenerated_restart_groups``), groups that finish after the cut
+are dropped from the snapshot, so every admitted group is trained exactly once. Each step's
+trained sample ids go to ``trained_ids.jsonl``, cut back with the metrics on resume.
 
-It does not schedule anything (the loops call it) and knows no file layout beyond
-``controller/checkpoint.py``'s.
+It does not schedule anything (the loop calls it), knows no file layout beyond
+``controller/checkpoint.py``'s and no queue layout (the pipeline hands it the queue's own state).
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sluice.api import GroupReport, PromptItem
+from sluice.config import SluiceConfig
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.checkpoint import (
     TRAINER_DIR,
@@ -39,13 +38,25 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.run_state import LOGS, TrainingRun
 from sluice.rollout.evaluate import EvalResult
-from sluice.telemetry import JsonlMetrics
 from sluice.trainer.rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
-LOGS = ("metrics.jsonl", "trained_ids.jsonl")
+
+class CheckpointedPipeline(Protocol):
+    """What a checkpoint needs from the pipeline's workers."""
+
+    async def save_state(self, path: str) -> None: ...
+
+    async def load_state(self, path: str) -> int: ...
+
+    async def sync_weights(self, version: int) -> dict[str, float]: ...
+
+    async def queue_snapshot(self, group_ids: set[int]) -> dict[str, Any]: ...
+
+    async def queue_restore(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -59,7 +70,7 @@ class AsyncCut:
     regenerate: list[tuple[PromptItem, int]]
     """Groups still generating: restarted on resume."""
     queue: dict[str, Any] = field(default_factory=dict)
-    """The queue's rows of the written, untrained groups (``queue_state_of``)."""
+    """The queue's state of the written, untrained groups' rows (``queue/snapshot.py``)."""
 
 
 @dataclass
@@ -71,90 +82,56 @@ class DriverState:
     base_eval: EvalResult
     logs: dict[str, int]
     rng: dict[str, Any]
-    sync_counters: dict[str, Any] = field(default_factory=dict)
-    cut: AsyncCut | None = None
+    cut: AsyncCut
 
 
-def open_run(trainer: Any) -> DriverState | None:
-    """Start the run's logs; with ``run.resume``, load the checkpoint's driver state and cut the
-    logs back to it (``None`` when starting fresh). Checkpoints newer than the resumed one belong
-    to the abandoned continuation and are removed."""
-    cfg = trainer.config
-    trainer.checkpoints = CheckpointStore(trainer.run_dir, cfg.run.keep_checkpoints)
-    path = resolve_resume(cfg.run.resume, trainer.run_dir)
-    state: DriverState | None = None
-    if path is not None:
-        state = read_driver_state(path)
-        changed = config_changes(state.config, cfg.model_dump(mode="json"))
-        if changed:
-            raise CheckpointError(f"run.resume: {path} was written with a different config: {', '.join(changed)}")
-        for name in LOGS:
-            truncate_log(trainer.run_dir / name, state.logs.get(name, 0))
-        trainer.checkpoints.drop_newer_than(state.version)
-        log.warning("resuming %s from %s (version %d)", trainer.run_dir, path, state.version)
-    trainer.resumed_from = path
-    trainer.metrics = JsonlMetrics(trainer.run_dir / LOGS[0], append=state is not None)
-    trainer.trained_ids_log = JsonlMetrics(trainer.run_dir / LOGS[1], append=state is not None)
-    return state
+def open_checkpoints(config: SluiceConfig, run_dir: Path) -> tuple[CheckpointStore, Path | None, DriverState | None]:
+    """The run's checkpoint store and, with ``run.resume``, the checkpoint continued and its driver
+    state, with the logs cut back to it (``None`` s when starting fresh). Checkpoints newer than the
+    resumed one belong to the abandoned continuation and are removed."""
+    store = CheckpointStore(run_dir, config.run.keep_checkpoints)
+    path = resolve_resume(config.run.resume, run_dir)
+    if path is None:
+        return store, None, None
+    state = read_driver_state(path)
+    changed = config_changes(state.config, config.model_dump(mode="json"))
+    if changed:
+        raise CheckpointError(f"run.resume: {path} was written with a different config: {', '.join(changed)}")
+    for name in LOGS:
+        truncate_log(run_dir / name, state.logs.get(name, 0))
+    store.drop_newer_than(state.version)
+    log.warning("resuming %s from %s (version %d)", run_dir, path, state.version)
+    return store, path, state
 
 
-def checkpoint_due(trainer: Any, version: int) -> bool:
-    every = trainer.config.run.checkpoint_every
-    return bool(every) and version % every == 0
-
-
-def save_sync_checkpoint(trainer: Any, version: int) -> Path:
-    """``mode: sync``: everything lives in this process."""
-    tmp = trainer.checkpoints.begin(version)
-    trainer.train_engine.save(str(tmp / TRAINER_DIR))
-    if trainer.critic is not None:
-        trainer.critic.save(tmp)
-    counters = {"next_group": trainer._next_group, "trained_groups": trainer._trained_groups}
-    state = _driver_state(trainer, version, {**counters, "discards": Counter(trainer.discards)})
-    write_driver_state(tmp, state)
-    return trainer.checkpoints.commit(tmp, version)
-
-
-def restore_sync(trainer: Any, state: DriverState) -> EvalResult:
-    """Load a ``mode: sync`` checkpoint into a freshly built trainer; the engine gets its weights."""
-    folder = trainer.resumed_from
-    trainer.train_engine.load(str(folder / TRAINER_DIR))
-    if trainer.critic is not None:
-        trainer.critic.load(folder)
-    counters = state.sync_counters
-    trainer._next_group, trainer._trained_groups = counters["next_group"], counters["trained_groups"]
-    trainer.discards = Counter(counters["discards"])
-    _restore_common(trainer, state)
-    trainer.sync_actor_model()
-    return state.base_eval
-
-
-async def save_async_checkpoint(trainer: Any, controller: AsyncController, pipeline: Any, version: int) -> Path:
-    """``mode: async``, between steps: the cut first (synchronous, so consistent), then the
-    trainer's state and the queue, while generation goes on."""
+async def save_checkpoint(
+    run: TrainingRun, controller: AsyncController, pipeline: CheckpointedPipeline, version: int
+) -> Path:
+    """Between steps: the cut first (synchronous, so consistent), then the trainer's state and
+    the queue, while generation goes on."""
     cut = capture_cut(controller)
-    state = _driver_state(trainer, version, {})
-    tmp = trainer.checkpoints.begin(version)
+    state = _driver_state(run, version, cut)
+    tmp = run.checkpoints.begin(version)
     await pipeline.save_state(str(tmp / TRAINER_DIR))
     written = {gid for gid, g in cut.ledger.groups.items() if g.state is GroupState.OPEN and g.generated}
-    cut.queue = queue_state_of(await pipeline.queue_snapshot(), written)
-    state.cut = cut
+    cut.queue = await pipeline.queue_snapshot(written)
     write_driver_state(tmp, state)
-    return await asyncio.to_thread(trainer.checkpoints.commit, tmp, version)
+    return await asyncio.to_thread(run.checkpoints.commit, tmp, version)
 
 
-async def restore_async(trainer: Any, pipeline: Any, state: DriverState) -> EvalResult:
+async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, state: DriverState) -> EvalResult:
     """Load the trainer's state, bring the engines to its version, refill the queue."""
-    version = await pipeline.load_state(str(trainer.resumed_from / TRAINER_DIR))
+    assert run.resumed_from is not None, "restore a resumed run only"
+    version = await pipeline.load_state(str(run.resumed_from / TRAINER_DIR))
     await pipeline.sync_weights(version)
-    assert state.cut is not None, "not an async checkpoint"
     await pipeline.queue_restore(state.cut.queue)
-    _restore_common(trainer, state)
+    run.version = state.version
+    run.prompts.position = state.prompt_position
+    restore_rng(state.rng)
     return state.base_eval
 
 
 def resume_controller(controller: AsyncController, state: DriverState) -> None:
-    assert state.cut is not None, "not an async checkpoint"
     cut = state.cut
     controller.resume(copy.deepcopy(cut.ledger), cut.reports, cut.next_group, cut.regenerate)
 
@@ -169,47 +146,15 @@ def capture_cut(controller: AsyncController) -> AsyncCut:
     return AsyncCut(controller.next_group, ledger, reports, regenerate)
 
 
-def queue_state_of(snapshot: dict[str, Any], group_ids: set[int]) -> dict[str, Any]:
-    """A queue snapshot reduced to the rows of ``group_ids``, with every task's readiness
-    rebuilt from the columns those rows hold and nothing consumed: the rows are untrained, and a
-    task that had already read one (the frozen reference) reads it again and writes the same
-    values. Rows written after the cut, and trained rows, are left out."""
-    storage = snapshot["storage"]
-    meta = [row for row in storage["meta"] if row[1] in group_ids]  # [index, group_id, ...]
-    keep = {row[0] for row in meta}
-    columns: dict[str, dict[str, list[Any]]] = {}
-    for name, col in storage["columns"].items():
-        pairs = [(i, v) for i, v in zip(col["indices"], col["values"], strict=True) if i in keep]
-        columns[name] = {"indices": [i for i, _ in pairs], "values": [v for _, v in pairs]}
-    present = {name: set(col["indices"]) for name, col in columns.items()}
-    tasks = {}
-    for task, ctl in snapshot["tasks"].items():
-        inputs = list(ctl["input_columns"])
-        ready, pending = [], []
-        for row in meta:
-            missing = sorted(c for c in inputs if row[0] not in present.get(c, ()))
-            if missing:
-                pending.append([row, missing])
-            else:
-                ready.append(row)
-        tasks[task] = {"input_columns": inputs, "ready": ready, "pending": pending, "consumed": [], "partitions": []}
-    return {"storage": {"meta": meta, "columns": columns, "freed": []}, "tasks": tasks, "partitions": [], "ledger": []}
-
-
-def _driver_state(trainer: Any, version: int, sync_counters: dict[str, Any]) -> DriverState:
+def _driver_state(run: TrainingRun, version: int, cut: AsyncCut) -> DriverState:
+    assert run.base_eval is not None, "checkpoint after the base evaluation"
     return DriverState(
         version=version,
-        mode=trainer.config.run.mode,
-        config=trainer.config.model_dump(mode="json"),
-        prompt_position=trainer.prompts.position,
-        base_eval=trainer.base_eval,
-        logs=log_sizes({name: trainer.run_dir / name for name in LOGS}),
+        mode=run.config.run.mode,
+        config=run.config.model_dump(mode="json"),
+        prompt_position=run.prompts.position,
+        base_eval=run.base_eval,
+        logs=log_sizes({name: run.run_dir / name for name in LOGS}),
         rng=capture_rng(),
-        sync_counters=sync_counters,
+        cut=cut,
     )
-
-
-def _restore_common(trainer: Any, state: DriverState) -> None:
-    trainer.version = state.version
-    trainer.prompts.position = state.prompt_position
-    restore_rng(state.rng)

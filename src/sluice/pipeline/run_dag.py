@@ -1,25 +1,39 @@
-"""The DAG of a training run: ``run.dag`` resolved, compiled, and checked against the config.
+"""The DAG of a training run: ``run.dag`` resolved, compiled, checked, and split over the workers.
 
 ``run.dag: null`` picks the built-in DAG of the algorithm (``grpo``, ``grpo_kl`` with a KL term,
 ``ppo``, ``ppo_kl``). A DAG must agree with the trainer's config — a critic node exactly when
-``trainer.algorithm: ppo``, a reference node exactly when ``trainer.kl_coef > 0`` — and with the
-placement: ``run.mode: sync`` runs any DAG (one colocated chain, ``chain.py``), ``run.mode:
-async`` the nodes its workers serve (rollout; the reference and the critic's values, each in a
-worker of its own; advantages, GAE and the actor and critic updates in the trainer), and takes
-its TransferQueue tasks from the DAG. Errors are ``ConfigError`` s naming ``run.dag``.
+``trainer.algorithm: ppo``, a reference node exactly when ``trainer.kl_coef > 0``. Both modes
+run it on the same workers (``DagPlacement``): rollout in the rollout worker; the advantages
+(GRPO's, or GAE) and the actor and critic updates inside the trainer's step; every other node
+(reference log-probs, critic values, user compute nodes such as extra rewards) in a
+``NodeTaskWorker`` of its own, serving the TransferQueue task named after the node. Errors are
+``ConfigError`` s naming ``run.dag``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.config import ConfigError
 from sluice.pipeline.planner import Plan, compile_dag
-from sluice.pipeline.spec import DagError, load_dag
+from sluice.pipeline.spec import DagError, DagNode, load_dag
 
 CRITIC_FUNCTIONS = frozenset({"critic_values", "gae_advantages", "critic_update"})
-ASYNC_FUNCTIONS = frozenset({"rollout", "reference_logprobs", "group_advantages", "actor_update"}) | CRITIC_FUNCTIONS
-"""Node functions the asynchronous pipeline's workers serve (rollout, reference, critic values, trainer)."""
+TRAINER_FUNCTIONS = frozenset({"group_advantages", "gae_advantages", "actor_update", "critic_update"})
+"""Node functions the trainer runs inside its step (every other node after rollout gets a worker)."""
+
+
+@dataclass(frozen=True)
+class DagPlacement:
+    """Which worker serves which node of a run's DAG, and the queue tasks that follow."""
+
+    tasks: dict[str, tuple[str, ...]]
+    """Every queue task and its input columns: ``train_task`` and one per node worker (its id)."""
+    node_workers: tuple[DagNode, ...]
+    """Nodes after rollout served by a ``NodeTaskWorker`` each (reference, critic values, user nodes)."""
+    reward_column: str | None = None
+    """The column the advantages read as the reward (``options.reward_column``), else ``None``."""
 
 
 def default_dag(cfg: Any) -> str:
@@ -58,26 +72,24 @@ def check_run_dag(plan: Plan, cfg: Any) -> None:
             f"run.dag: DAG {name!r} {'lacks' if cfg.trainer.kl_coef > 0 else 'has'} a reference_logprobs node "
             f"but trainer.kl_coef is {cfg.trainer.kl_coef} (the KL term needs it exactly when kl_coef > 0)"
         )
-    if cfg.run.mode == "async":
-        for node in plan.spec.nodes:
-            if node.function not in ASYNC_FUNCTIONS or node.options:
-                raise ConfigError(
-                    f"run.dag: node {node.id!r} ({node.function}) needs run.mode: sync; the asynchronous pipeline "
-                    f"serves {', '.join(sorted(ASYNC_FUNCTIONS))} without options"
-                )
+    for node in plan.spec.nodes:
+        if node.function in TRAINER_FUNCTIONS and set(node.options) - {"reward_column"}:
+            raise ConfigError(
+                f"run.dag: node {node.id!r} ({node.function}) runs inside the trainer's step, which takes only the "
+                f"option reward_column (got {sorted(node.options)})"
+            )
 
 
-def async_queue_tasks(plan: Plan, train_task: str, reference_task: str, critic_task: str) -> dict[str, tuple[str, ...]]:
-    """The asynchronous pipeline's queue tasks from the DAG, one per worker: the reference and
-    the critic-values tasks read what their node reads; the trainer's task reads what the other
-    nodes after rollout read and do not write themselves (whatever their device pools)."""
-    served_apart = {"reference_logprobs": reference_task, "critic_values": critic_task}
+def place_dag(plan: Plan, train_task: str) -> DagPlacement:
+    """The run's workers for ``plan``: the trainer's task reads what the trainer's nodes read and
+    do not write themselves; each other node after rollout is a task of its own."""
     nodes = [n for n in plan.spec.nodes if n.type != "generate"]
-    tasks: dict[str, tuple[str, ...]] = {}
-    for node in nodes:
-        if node.function in served_apart:
-            tasks[served_apart[node.function]] = tuple(node.reads)
-    trainer = [n for n in nodes if n.function not in served_apart]
+    apart = tuple(n for n in nodes if n.function not in TRAINER_FUNCTIONS)
+    trainer = [n for n in nodes if n.function in TRAINER_FUNCTIONS]
     written = {c for n in trainer for c in n.writes}
+    tasks = {n.id: tuple(n.reads) for n in apart}
     tasks[train_task] = tuple(dict.fromkeys(c for n in trainer for c in n.reads if c not in written))
-    return tasks
+    columns = {n.options["reward_column"] for n in trainer if "reward_column" in n.options}
+    if len(columns) > 1:
+        raise ConfigError(f"run.dag: the trainer's nodes read different reward columns {sorted(columns)}")
+    return DagPlacement(tasks, apart, columns.pop() if columns else None)

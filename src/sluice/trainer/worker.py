@@ -13,11 +13,12 @@ handed to them, told each group's place in the step, and sum gradients before ev
 update (``trainer/data_parallel.py``); rank 0 publishes. With a critic (``algorithm: ppo``) the
 rows also carry the critic-values task's ``values`` column, and the step trains the actor, then
 the critic (``trainer/ppo.py``), and publishes the critic before the policy
-(``trainer/critic_task.py`` loads it). It does not choose groups.
+(the critic-values node worker, ``pipeline/node_worker.py``, loads it). It does not choose groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +67,7 @@ class TrainerWorker:
         trace: bool = True,
         critic: CriticSpec | None = None,
         critic_sync: WeightSync | None = None,
+        reward_column: str | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.engine = HFTrainEngine(load_causal_lm(model_dir), **engine_kwargs)
@@ -80,6 +82,8 @@ class TrainerWorker:
         self.group_size = group_size
         self.micro_batch_tokens = micro_batch_tokens
         self.schedule = schedule
+        self.reward_column = reward_column
+        """A column a node of the DAG wrote (e.g. a combined reward) that replaces ``reward``."""
         self.tracer = SpanRecorder("trainer", enabled=trace)
         self.version = 0
         self._step: InOrderPacker | None = None
@@ -125,12 +129,17 @@ class TrainerWorker:
         with self.tracer.span("wait_data", lane="trainer", groups=len(group_ids)):
             rows = [i for gid in group_ids for i in group_rows(gid, self.group_size)]
             columns = train_columns(self.algorithm.uses_reference) + ((VALUES_COLUMN,) if self.critic else ())
+            columns += (self.reward_column,) if self.reward_column else ()
             batch = self.queue.get(TRAIN_TASK, columns, len(rows), indices=rows, min_size=len(rows))
         self._timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
         in_order = sorted(range(len(batch)), key=lambda k: batch.indices[k])  # rows_to_samples' order
         values = [list(batch.columns[VALUES_COLUMN][k]) for k in in_order] if self.critic else [[]] * len(batch)
-        paired = sorted(zip(rows_to_samples(batch), values, strict=True), key=lambda p: position[p[0].group_id])
+        samples = rows_to_samples(batch)
+        if self.reward_column:  # the DAG's reward for the advantages, in place of the rollout's
+            rewards = [float(batch.columns[self.reward_column][k]) for k in in_order]
+            samples = [dataclasses.replace(s, reward=r) for s, r in zip(samples, rewards, strict=True)]
+        paired = sorted(zip(samples, values, strict=True), key=lambda p: position[p[0].group_id])
         samples = [s for s, _ in paired]
         if self.holds_step:
             self._values.extend(v for _, v in paired)
@@ -218,6 +227,9 @@ class TrainerWorker:
                 self._publish_critic()
                 self.weight_sync.publish(self.engine.export_weights(), self.version)
         trained = sum(len(s.response_ids) for s in samples)
+        if self.reward_column:  # the reward the advantages saw, beside the rollout's ``reward_mean``
+            mean = sum(s.reward for s in samples) / max(len(samples), 1)
+            metrics = {**metrics, f"{self.reward_column}_mean": mean}
         self._trained_uids = [s.uid for s in samples]
         self._step = None
         return {

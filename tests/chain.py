@@ -1,7 +1,7 @@
-"""A chain of DAG nodes run one after another in this process, on one in-memory data buffer.
+"""Test helper: a chain of DAG nodes run one after another in this process, on one buffer.
 
-The colocated placement at its smallest: one worker that holds every model of the step (the
-``run.mode: sync`` trainer). ``ColocatedChain.run`` turns a step's samples into rows, runs the
+Checks that the built-in node functions compute what the classic trainer functions compute.
+``ColocatedChain.run`` turns a step's samples into rows, runs the
 plan's nodes after generation in the planner's serial order — each sees only the columns it
 reads, and its outputs join the buffer — and returns the nodes' metrics. Nothing crosses a
 process here; the multi-controller runtime (``runtime.py``) runs the same node functions on

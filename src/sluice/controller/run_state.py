@@ -1,0 +1,91 @@
+"""The typed run object: what one training run knows besides its workers, built once by ``fit``.
+
+``TrainingRun`` holds the resolved config, the run's folder and logs, the prompt stream and the
+held-out set, the checkpoint store and (with ``run.resume``) the state being continued, and it
+logs what the loop reports (steps, evaluations). The loop (``controller/training.py``) and the
+checkpoint code (``controller/resume.py``) read and update it through these fields and methods;
+nothing assigns new attributes onto it and nothing reaches into ``sluice.RLTrainer``.
+
+Deliberately not here: workers, engines, scheduling (the controller), file layouts
+(``controller/checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sluice.api import PromptItem
+from sluice.config import SluiceConfig
+from sluice.controller.checkpoint import CheckpointStore
+from sluice.rollout.evaluate import EvalResult
+from sluice.tasks.dataset import PromptStream
+from sluice.telemetry import JsonlMetrics, TrainProgress
+
+METRICS_LOG = "metrics.jsonl"
+TRAINED_IDS_LOG = "trained_ids.jsonl"
+LOGS = (METRICS_LOG, TRAINED_IDS_LOG)
+
+
+@dataclass
+class TrainingRun:
+    """One run's config, data, logs and progress (the workers live in the pipeline)."""
+
+    config: SluiceConfig
+    run_dir: Path
+    prompts: PromptStream
+    eval_items: list[PromptItem]
+    max_new_tokens: int
+    """The response cap of evaluation (and of rollout, which the pipeline already has)."""
+    checkpoints: CheckpointStore
+    resumed_from: Path | None = None
+    """The checkpoint folder this run continues (``run.resume``), else ``None``."""
+    progress: TrainProgress = field(default_factory=lambda: TrainProgress(0, enabled=False))
+    metrics: JsonlMetrics = field(default_factory=lambda: JsonlMetrics(None))
+    trained_ids_log: JsonlMetrics = field(default_factory=lambda: JsonlMetrics(None))
+    """One record per step: the ids (``Sample.uid``) of the samples it trained."""
+    version: int = 0
+    base_eval: EvalResult | None = None
+    loop_seconds: float = 0.0
+    """The training loop alone (what throughput is measured over)."""
+    started: float = field(default_factory=time.monotonic)
+    _last_step_at: float = field(default_factory=time.monotonic)
+    _last_accuracy: float | None = None
+
+    def open_logs(self, *, append: bool) -> None:
+        """Start (or, resuming, continue) the run's JSONL logs in ``run_dir``."""
+        self.metrics = JsonlMetrics(self.run_dir / METRICS_LOG, append=append)
+        self.trained_ids_log = JsonlMetrics(self.run_dir / TRAINED_IDS_LOG, append=append)
+
+    @property
+    def final_model_dir(self) -> Path:
+        return self.run_dir / "final_model"
+
+    def eval_due(self, version: int) -> bool:
+        cfg = self.config.run
+        return bool(cfg.eval_every) and version % cfg.eval_every == 0 and version < cfg.steps
+
+    def checkpoint_due(self, version: int) -> bool:
+        every = self.config.run.checkpoint_every
+        return bool(every) and version % every == 0
+
+    def log_eval(self, result: EvalResult, step: int | None = None) -> EvalResult:
+        self._last_accuracy = result.accuracy
+        by_bucket = {f"accuracy_{k}": v for k, v in result.by_bucket.items()}
+        self.metrics.log("eval", step=self.version if step is None else step, accuracy=result.accuracy, **by_bucket)
+        return result
+
+    def log_step(self, version: int, stats: dict[str, float], metrics: dict[str, float]) -> bool:
+        """Log one step (after any due evaluation); False stops the run (``run.max_minutes``)."""
+        self.version = version
+        now = time.monotonic()
+        step_s = now - self._last_step_at
+        record = {**stats, **metrics, "step_s": step_s, "tokens_per_s": stats["trained_tokens"] / max(step_s, 1e-9)}
+        self._last_step_at = time.monotonic()
+        self.metrics.log("train", step=version, **record)
+        self.progress.update(
+            version, reward=record["reward_mean"], acc=self._last_accuracy, tok_s=record["tokens_per_s"]
+        )
+        limit = self.config.run.max_minutes
+        return limit is None or now - self.started <= 60 * limit

@@ -1,0 +1,145 @@
+"""A whole training run over the pipeline's workers: evaluate, run the controller, collect.
+
+Every mode runs here: ``run.mode: async`` is the controller's streaming schedule under the
+staleness bound, ``run.mode: sync`` the same controller and workers with the barrier schedule
+(admit a step's groups, wait for all of them, train, sync weights). It places the workers
+(``controller/pipelines.py``, ``controller/ray_pipeline.py``), runs the base and final
+evaluations on the rollout engine, turns group reports into per-step statistics, saves the final
+model and writes the timeline (``trace.json``) and the sample-fate counters. It adds no
+scheduling logic of its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sluice.controller.async_loop import AsyncController
+from sluice.controller.ledger import GroupLedger
+from sluice.controller.pipelines import LocalPipeline, PipelineSpec
+from sluice.controller.ray_pipeline import RayPipeline
+from sluice.controller.resume import DriverState, restore_checkpoint, resume_controller, save_checkpoint
+from sluice.controller.run_state import TrainingRun
+from sluice.controller.staleness import StalenessGate
+from sluice.rollout.evaluate import EvalResult
+from sluice.telemetry.cpu import CpuMeter
+from sluice.telemetry.trace import trace_numbers, write_chrome_trace
+
+ENGINE_SYNC_STATS = (
+    "weight_updates",
+    "weight_updates_superseded",
+    "weight_drain_s",
+    "reprefill_tokens",
+    "steps",
+    "generated_tokens",
+    "drive_s",
+    "proxy_routed",
+    "proxy_rerouted",
+)
+
+
+async def run_training(
+    run: TrainingRun, spec: PipelineSpec, resumed: DriverState | None
+) -> tuple[EvalResult, EvalResult]:
+    """Place the workers, run ``run.config.run.steps`` steps, evaluate before and after."""
+    cfg = run.config
+    if cfg.run.backend == "ray":
+        pipeline: LocalPipeline | RayPipeline = RayPipeline(spec, run.prompts, cfg.run.ray_address)
+    else:
+        pipeline = LocalPipeline(spec, run.prompts)
+    max_new = run.max_new_tokens
+    try:
+        if resumed is None:
+            base = run.log_eval(await pipeline.evaluate(run.eval_items, max_new))
+        else:  # trainer state, engines at its version, the queue's untrained rows
+            base = await restore_checkpoint(run, pipeline, resumed)
+        run.base_eval = base
+        gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.rollout.forced_lag)
+        env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
+        ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
+        barrier = cfg.run.mode == "sync"
+        controller = AsyncController(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier)
+
+        async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
+            run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
+            if run.eval_due(version):
+                run.log_eval(await pipeline.evaluate(run.eval_items, max_new), version)
+            keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
+            if run.checkpoint_due(version):
+                await save_checkpoint(run, controller, pipeline, version)
+            return keep_going
+
+        await pipeline.trace_events()  # drop the base evaluation: the trace covers the loop only
+        if resumed is not None:  # restart the groups that were generating at the checkpoint
+            resume_controller(controller, resumed)
+        cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
+        await controller.run(cfg.run.steps, after_step)
+        run.loop_seconds = time.monotonic() - started
+        run.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
+        await _log_run_end(run, controller, pipeline, spec)
+        final = run.log_eval(await pipeline.evaluate(run.eval_items, max_new))
+        run.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
+        await pipeline.save(str(run.final_model_dir))
+        return base, final
+    finally:
+        pipeline.close()
+
+
+async def _log_run_end(
+    run: TrainingRun, controller: AsyncController, pipeline: LocalPipeline | RayPipeline, spec: PipelineSpec
+) -> None:
+    """The workers' end-of-run numbers: weight fingerprints, engine and reward counters, trace."""
+    (t_version, t_sum), (e_version, e_sum) = await pipeline.fingerprints()
+    engine = await pipeline.engine_stats()
+    run.metrics.log(
+        "weights",
+        trainer_version=t_version,
+        trainer_checksum=t_sum,
+        engine_version=e_version,
+        engine_checksum=e_sum,
+        **{f"engine_{k}": engine[k] for k in ENGINE_SYNC_STATS if k in engine},
+    )
+    run.metrics.log("rewards", **{k: v for k, v in engine.items() if k.startswith("reward_")})
+    run.metrics.log("proxy", **{k.removeprefix("proxy_"): v for k, v in engine.items() if k.startswith("proxy_")})
+    if spec.agentic is not None:  # episode counters: kept, aborted stragglers, env failures
+        run.metrics.log("episodes", **{k: v for k, v in engine.items() if k.startswith("env_")})
+    if run.config.run.trace:
+        events = await pipeline.trace_events()
+        write_chrome_trace(run.run_dir / "trace.json", [events])
+        run.metrics.log("trace", **trace_numbers(events))
+
+
+def step_stats(
+    controller: AsyncController, chosen: list[int], version: int, metrics: dict[str, float]
+) -> dict[str, float]:
+    """Rollout statistics of the groups a step trained, from their reports (no sample data).
+
+    ``trained_before_generated`` is 1 when the trainer's first micro-batch of the step started
+    before the step's last group finished generating: streaming overlap inside a step.
+    """
+    reports = [controller.reports[g] for g in chosen]
+    last_generated = max((rep.finished_at for rep in reports), default=0.0)
+    first_trained = metrics.get("first_microbatch_at", 0.0)
+    rewards = [r for rep in reports for r in rep.rewards]
+    samples = max(len(rewards), 1)
+    mixed = sum(1 for rep in reports if len(set(rep.rewards)) > 1)
+    staleness = [version - 1 - rep.version for rep in reports]
+    sample_staleness = [version - 1 - v for rep in reports for v in rep.sample_versions]
+    return {
+        "reward_mean": sum(rewards) / samples,
+        "response_len_mean": sum(rep.response_tokens for rep in reports) / samples,
+        "groups_with_signal": mixed / max(len(reports), 1),
+        "trained_tokens": float(sum(rep.response_tokens for rep in reports)),
+        "staleness_max": float(max(staleness, default=0)),
+        "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "sample_staleness_mean": sum(sample_staleness) / max(len(sample_staleness), 1),
+        "engine_version": float(controller.pipeline.engine_version),
+        "trained_before_generated": float(0 < first_trained < last_generated),
+        **controller.sync_metrics,
+    }
+
+
+def _staleness(ledger: GroupLedger) -> dict[str, float]:
+    """Realised staleness histograms: ``staleness_k`` groups and ``sample_staleness_k`` samples."""
+    groups = {f"staleness_{k}": float(v) for k, v in sorted(ledger.staleness.items())}
+    samples = {f"sample_staleness_{k}": float(v) for k, v in sorted(ledger.sample_staleness.items())}
+    return {**groups, **samples}
