@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sluice.api.types import Sample
-from sluice.trainer.microbatch import balance_by_tokens, make_micro_batches, pad_batch
+from sluice.engines.padding import pad_batch
+from sluice.trainer.microbatch import balance_by_tokens, make_micro_batches
 
 torch.set_num_threads(1)
 

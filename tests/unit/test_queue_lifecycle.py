@@ -20,7 +20,7 @@ from sluice.queue import LocalQueue
 from sluice.queue.dp_group import DPGroupReader, ThreadGroupBroadcast
 from sluice.queue.lifecycle import FreedRows
 from sluice.queue.policies import token_balanced_policy
-from sluice.trainer.microbatch import balance_shards
+from sluice.queue.shards import balance_shards
 
 MakeQueue = Callable[..., QueueClient]
 
