@@ -11,9 +11,12 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
-from sluice.api import Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
+import torch
+
+from sluice.api import Algorithm, Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
 
 
 class FakeInferenceEngine:
@@ -72,28 +75,52 @@ class FakeInferenceEngine:
 
 
 class FakeTrainEngine:
-    """Records the micro-batches it is given; its single 'weight' counts optimizer steps."""
+    """A ``TrainEngine`` with one scalar weight ``w`` and plain-float arithmetic, recording its calls.
 
-    def __init__(self) -> None:
+    A micro-batch's loss is ``-w · Σ advantage · loss_mask / mb.normaliser`` over its response
+    tokens, so ``accumulate`` adds ``-Σ advantage · loss_mask / mb.normaliser`` to ``grad``;
+    ``finish_step`` multiplies ``grad`` by ``grad_scale`` and takes ``w -= lr · grad``. A skipped
+    micro-batch or a wrong scale therefore shows in ``w``. ``calls`` lists ``("begin_step",)``,
+    ``("accumulate", sample uids)``, ``("finish_step", grad_scale)`` and ``("logprobs", sample
+    uids)`` in order; ``logprobs`` are the behaviour ones shifted by ``w``.
+    """
+
+    def __init__(self, lr: float = 1.0) -> None:
+        self.lr = lr
+        self.w = 0.0
+        self.grad = 0.0
         self.steps = 0
-        self.seen: list[Sequence[MicroBatch]] = []
+        self.calls: list[tuple[object, ...]] = []
+
+    def begin_step(self) -> None:
+        self.calls.append(("begin_step",))
+        self.grad = 0.0
+
+    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
+        self.calls.append(("accumulate", tuple(s.uid for s in mb.samples)))
+        for s, adv in zip(mb.samples, mb.advantages, strict=True):
+            self.grad -= sum(a * m for a, m in zip(adv, s.loss_mask, strict=True)) / mb.normaliser
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        self.calls.append(("finish_step", grad_scale))
+        self.grad *= grad_scale
+        self.w -= self.lr * self.grad
+        self.steps += 1
+        return {"loss": -self.w * self.grad, "grad_norm": abs(self.grad)}
 
     def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
-        return [list(s.behav_logprobs) for s in samples]
+        self.calls.append(("logprobs", tuple(s.uid for s in samples)))
+        return [[x + self.w for x in s.behav_logprobs] for s in samples]
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], algorithm: Any) -> dict[str, float]:
-        self.seen.append(micro_batches)
-        self.steps += 1
-        return {"loss": 0.0, "tokens": float(sum(mb.num_tokens for mb in micro_batches))}
-
-    def export_weights(self) -> dict[str, Any]:
-        return {"steps": self.steps}
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {"w": torch.tensor([self.w], dtype=torch.float64)}
 
     def save(self, path: str) -> None:
-        pass
+        Path(path, "fake_engine.json").write_text(json.dumps({"w": self.w, "steps": self.steps}))
 
     def load(self, path: str) -> None:
-        pass
+        state = json.loads(Path(path, "fake_engine.json").read_text())
+        self.w, self.steps = state["w"], state["steps"]
 
 
 class FakeAlgorithm:

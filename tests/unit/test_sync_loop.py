@@ -7,7 +7,7 @@ from fakes import FakeAlgorithm, FakeInferenceEngine, FakeTrainEngine
 from sluice.api import PromptItem, Sample, SamplingParams
 from sluice.controller.sync_loop import run_sync
 from sluice.rollout.single_turn import SingleTurnWorkflow, group_stats, sample_seed
-from sluice.trainer.step import plan_step, step_normaliser
+from sluice.trainer.step import plan_step, run_step, step_normaliser
 
 
 class _Tok:
@@ -59,7 +59,8 @@ class _Pipeline:
 
     def train(self, samples):
         self.calls.append("train")
-        metrics = self.trainer.train_step(plan_step(samples, FakeAlgorithm(), 16), FakeAlgorithm())
+        algorithm = FakeAlgorithm()
+        metrics = run_step(self.trainer, plan_step(samples, algorithm, 16), algorithm, step_normaliser(samples))
         self.version += 1
         return metrics
 

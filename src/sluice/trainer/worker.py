@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, WeightSync
+from sluice.api import TrainEngine as StreamingTrainEngine
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
@@ -34,7 +35,7 @@ from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import AllReducedEngine, DataParallelGroup, free_tcp_address
 from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec, ppo_critic_step
 from sluice.trainer.rng_state import capture_rng, restore_rng
-from sluice.trainer.step import InOrderPacker, StreamingTrainEngine, step_normaliser
+from sluice.trainer.step import InOrderPacker, step_normaliser
 from sluice.trainer.updates import (
     ONE_UPDATE,
     UpdateSchedule,
@@ -298,3 +299,12 @@ class _Traced:
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         return self.worker.updater.finish_step(grad_scale)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.worker.updater.export_weights()
+
+    def save(self, path: str) -> None:
+        self.worker.updater.save(path)
+
+    def load(self, path: str) -> None:
+        self.worker.updater.load(path)
