@@ -29,9 +29,9 @@ import statistics
 import time
 
 import torch
+from harness.report import write_results
 
 from sluice.api.types import MicroBatch, Sample
-from sluice.bench.report import write_results
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.packing import family_tokens, prompt_families
 from sluice.tasks import TASKS
