@@ -27,12 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.sim_agentic import SimAgenticPipeline
+from harness.sim_env import SimEnvConfig
+
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
-from sluice.sim.agentic import SimAgenticPipeline
-from sluice.sim.env import SimEnvConfig
 
 # The LLM is never the bottleneck here: one replica whose decode time does not grow with the
 # batch, 20 tokens per turn at 25 ms = 0.5 s per model turn.

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from harness.report import write_results
 
 from sluice.api.types import Sample
-from sluice.bench.report import write_results
 from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lora import LoraSpec

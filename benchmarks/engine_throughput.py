@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from harness.engine_runs import long_tail_requests, run_builtin, run_vllm, throughput_row
+from harness.report import write_results
 
-from sluice.bench.engine_runs import long_tail_requests, run_builtin, run_vllm, throughput_row
-from sluice.bench.report import write_results
 from sluice.engines.hf_model import load_tokenizer
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model

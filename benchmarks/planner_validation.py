@@ -5,7 +5,7 @@ measurement). Three phases, each writing into one JSON file:
 
 1. ``profile`` (``planner_validation_profile.py``): the built-in HF engine's decode iteration
    time against its running batch, measured in-process on the default task's warm-started model,
-   fitted to ``decode_s · max(1, batch / knee)`` (``sim.fit.fit_decode``); and the run's own
+   fitted to ``decode_s · max(1, batch / knee)`` (``harness/fit.py``'s ``fit_decode``); and the run's own
    trainer worker training whole steps alone (seconds per token with nothing decoding beside it);
 2. ``measure``: each configuration ``runs`` times as a real run (Ray, two actors; round-robin
    over the configurations), recording the

@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from sluice.sim.fit import fit_decode
+from harness.fit import fit_decode
 
 
 def _task_model() -> tuple[Any, Any, Any]:

@@ -2,7 +2,7 @@
 2 replicas vs the ``Rebalancer`` adding replicas through the real ``LLMProxy``.
 
 Every row drives sluice's ``AsyncController``, ledger, ``LLMProxy`` and ``GroupRunner`` over
-``SimEngine`` replicas on the virtual clock (``sim.rebalance_run``), so the numbers are exact
+``SimEngine`` replicas on the virtual clock (``harness/rebalance_run.py``), so the numbers are exact
 simulated seconds. Prints per-phase mean step times, writes JSON and a PNG of step time and
 replica count against the step.
 
@@ -17,10 +17,11 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from harness.rebalance import RebalanceConfig
+from harness.rebalance_run import RebalanceRun, run_with_shift
+
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
-from sluice.sim.rebalance import RebalanceConfig
-from sluice.sim.rebalance_run import RebalanceRun, run_with_shift
 from sluice.sim.simulate import SimConfig
 
 # A replica: 20 ms per decode iteration up to 16 running sequences, at most 64. The trainer is

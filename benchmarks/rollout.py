@@ -48,8 +48,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from harness.engine_runs import long_tail_requests, run_builtin, run_hf_generate, run_vllm, throughput_row
+
 from sluice.api import LengthPredictor, PromptItem
-from sluice.bench.engine_runs import long_tail_requests, run_builtin, run_hf_generate, run_vllm, throughput_row
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.staleness import StalenessGate

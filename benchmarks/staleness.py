@@ -216,7 +216,7 @@ def main() -> None:
 def _write(
     args: argparse.Namespace, rows: list[dict[str, Any]], started: float, load_before: tuple[float, ...]
 ) -> None:
-    from sluice.bench.report import write_results
+    from harness.report import write_results
 
     write_results(
         args.out,

@@ -29,14 +29,14 @@ import statistics
 import time
 
 import torch
+from harness.report import write_results
 
 from sluice.api.types import MicroBatch, Sample
-from sluice.bench.report import write_results
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.packing import family_tokens, prompt_families
 from sluice.tasks import TASKS
 from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.packing import family_tokens, prompt_families
 from sluice.trainer.step import plan_step
 
 VARIANTS = {

@@ -26,8 +26,8 @@ from typing import Any
 
 import ray
 import torch
+from harness.report import write_results
 
-from sluice.bench.report import write_results
 from sluice.trainer.data_parallel import free_tcp_address
 from sluice.weights import BroadcastWeightSync, ObjectStoreWeightSync
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).parent.parent / "benchmarks"))  # benchmark helpers: harness/
 torch.set_num_threads(1)
 
 

@@ -11,9 +11,13 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from sluice.api import Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
+from sluice.api import Algorithm, Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
+
+if TYPE_CHECKING:  # reward worker processes unpickle FaultyReward from here: no torch at import
+    import torch
 
 
 class FakeInferenceEngine:
@@ -72,28 +76,54 @@ class FakeInferenceEngine:
 
 
 class FakeTrainEngine:
-    """Records the micro-batches it is given; its single 'weight' counts optimizer steps."""
+    """A ``TrainEngine`` with one scalar weight ``w`` and plain-float arithmetic, recording its calls.
 
-    def __init__(self) -> None:
+    A micro-batch's loss is ``-w · Σ advantage · loss_mask / mb.normaliser`` over its response
+    tokens, so ``accumulate`` adds ``-Σ advantage · loss_mask / mb.normaliser`` to ``grad``;
+    ``finish_step`` multiplies ``grad`` by ``grad_scale`` and takes ``w -= lr · grad``. A skipped
+    micro-batch or a wrong scale therefore shows in ``w``. ``calls`` lists ``("begin_step",)``,
+    ``("accumulate", sample uids)``, ``("finish_step", grad_scale)`` and ``("logprobs", sample
+    uids)`` in order; ``logprobs`` are the behaviour ones shifted by ``w``.
+    """
+
+    def __init__(self, lr: float = 1.0) -> None:
+        self.lr = lr
+        self.w = 0.0
+        self.grad = 0.0
         self.steps = 0
-        self.seen: list[Sequence[MicroBatch]] = []
+        self.calls: list[tuple[object, ...]] = []
+
+    def begin_step(self) -> None:
+        self.calls.append(("begin_step",))
+        self.grad = 0.0
+
+    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
+        self.calls.append(("accumulate", tuple(s.uid for s in mb.samples)))
+        for s, adv in zip(mb.samples, mb.advantages, strict=True):
+            self.grad -= sum(a * m for a, m in zip(adv, s.loss_mask, strict=True)) / mb.normaliser
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        self.calls.append(("finish_step", grad_scale))
+        self.grad *= grad_scale
+        self.w -= self.lr * self.grad
+        self.steps += 1
+        return {"loss": -self.w * self.grad, "grad_norm": abs(self.grad)}
 
     def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
-        return [list(s.behav_logprobs) for s in samples]
+        self.calls.append(("logprobs", tuple(s.uid for s in samples)))
+        return [[x + self.w for x in s.behav_logprobs] for s in samples]
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], algorithm: Any) -> dict[str, float]:
-        self.seen.append(micro_batches)
-        self.steps += 1
-        return {"loss": 0.0, "tokens": float(sum(mb.num_tokens for mb in micro_batches))}
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        import torch
 
-    def export_weights(self) -> dict[str, Any]:
-        return {"steps": self.steps}
+        return {"w": torch.tensor([self.w], dtype=torch.float64)}
 
     def save(self, path: str) -> None:
-        pass
+        Path(path, "fake_engine.json").write_text(json.dumps({"w": self.w, "steps": self.steps}))
 
     def load(self, path: str) -> None:
-        pass
+        state = json.loads(Path(path, "fake_engine.json").read_text())
+        self.w, self.steps = state["w"], state["steps"]
 
 
 class FakeAlgorithm:
@@ -278,119 +308,6 @@ async def async_length_reward(response: str, **fields: Any) -> float:
     """``length_reward`` as a coroutine (async rewards are part of the ``RewardFn`` contract)."""
     await asyncio.sleep(0)
     return length_reward(response, **fields)
-
-
-class FakeSGLangServer:
-    """SGLang 0.5.23's native HTTP routes on a loopback port, with a scripted 'model'.
-
-    Every body is recorded per route and checked for the keys the real request classes take
-    (``FIELDS``; a test compares them with the wheel's). Generation continues the prefix:
-    token ``(prev + shift) % vocab`` with log-prob ``-shift / 10 - 0.001 * prefix_length``, where
-    ``shift`` comes from the loaded weights' float64 sum, so a weight load visibly changes the
-    output and each token tells which weights made it. Tokens take ``token_s`` each; an abort or a
-    pause takes effect between tokens, as in SGLang's scheduler.
-    """
-
-    ROUTES = ("/generate", "/abort_request", "/update_weights_from_disk", "/pause_generation",
-              "/continue_generation")  # fmt: skip
-    FIELDS: ClassVar[dict[str, set[str]]] = {
-        "/generate": {"rid", "input_ids", "sampling_params", "return_logprob", "stream"},
-        "sampling_params": {"max_new_tokens", "temperature", "top_p", "stop_token_ids", "ignore_eos", "sampling_seed"},
-        "/abort_request": {"rid", "abort_all"},
-        "/update_weights_from_disk": {"model_path", "weight_version", "flush_cache", "abort_all_requests"},
-        "/pause_generation": {"mode"},
-        "/continue_generation": {"torch_empty_cache"},
-    }
-
-    def __init__(self, model_dir: Any, vocab: int = 16, token_s: float = 0.002) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from sluice.engines.weight_folder import folder_weights, weights_checksum
-
-        self.vocab, self.token_s = vocab, token_s
-        self._checksum = lambda folder: weights_checksum(folder_weights(folder))
-        self.shift = self._shift(self._checksum(model_dir))
-        self.bodies: dict[str, list[dict[str, Any]]] = {route: [] for route in self.ROUTES}
-        self.aborted: set[str] = set()
-        self.running = threading.Event()
-        self.resumed = threading.Event()
-        self.resumed.set()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                status, answer = server.handle(self.path, body)
-                data = json.dumps(answer).encode() if answer is not None else b""
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def _shift(self, checksum: float) -> int:
-        return 1 + int(abs(checksum) * 1000) % (self.vocab - 1)
-
-    def expected_logprob(self, shift: int, prefix_length: int) -> float:
-        return -shift / 10 - 0.001 * prefix_length
-
-    def handle(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        if path not in self.ROUTES:
-            return 404, {"detail": "Not Found"}
-        unknown = set(body) - self.FIELDS[path] | set(body.get("sampling_params", {})) - self.FIELDS["sampling_params"]
-        if unknown:
-            return 400, {"error": f"unknown fields {sorted(unknown)}"}
-        self.bodies[path].append(body)
-        if path == "/generate":
-            return 200, self._generate(body)
-        if path == "/abort_request":
-            self.aborted.add(body["rid"])
-        elif path == "/update_weights_from_disk":
-            self.shift = self._shift(self._checksum(body["model_path"]))
-            return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-        elif path == "/pause_generation":
-            self.resumed.clear()
-        elif path == "/continue_generation":
-            self.resumed.set()
-        return 200, None
-
-    def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        import time
-
-        params, rid, ids = body["sampling_params"], body["rid"], list(body["input_ids"])
-        tokens: list[int] = []
-        logprobs: list[list[Any]] = []
-        finish: dict[str, Any] = {"type": "length", "length": params["max_new_tokens"]}
-        self.running.set()
-        while len(tokens) < params["max_new_tokens"]:
-            self.resumed.wait()
-            if rid in self.aborted:
-                finish = {"type": "abort", "message": "Abort in waiting queue"}
-                break
-            shift = self.shift
-            token = (ids[-1] + shift) % self.vocab
-            logprobs.append([self.expected_logprob(shift, len(ids)), token, None])
-            tokens.append(token)
-            ids.append(token)
-            time.sleep(self.token_s)
-            if token in params["stop_token_ids"]:
-                finish = {"type": "stop", "matched": token}
-                break
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": len(tokens), "output_token_logprobs": logprobs}  # fmt: skip
-        return {"text": "", "output_ids": tokens, "meta_info": meta}
 
 
 class FakeEnv:

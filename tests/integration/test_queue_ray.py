@@ -146,7 +146,7 @@ class _Rank:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
     def read(self, q: RayQueue | None, steps: int) -> list[tuple[tuple[int, ...], list[list[int]]]]:
-        from sluice.queue.dp_group import DPGroupReader, TorchGroupBroadcast
+        from dp_group import DPGroupReader, TorchGroupBroadcast
 
         reader = DPGroupReader(q, TorchGroupBroadcast())
         out = []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import FakeSGLangServer
+from fake_sglang import FakeSGLangServer
 from sluice.api import GenerationRequest, SamplingParams
 from sluice.engines.segmented import Segment
 from sluice.engines.sglang_engine import ROUTES, SGLANG_VERSION, generate_payload, update_payload

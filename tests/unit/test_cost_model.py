@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness.fit import fit_decode, fit_linear, refine
 
 from sluice.sim.cost_model import DEVICES, MODELS, CostModel, Efficiency, measure_host, trainer_cost
 from sluice.sim.engine import LengthModel
-from sluice.sim.fit import fit_decode, fit_linear, refine
 
 LENGTHS = LengthModel(median=500, prompt_sigma=0.5, sample_sigma=0.5)
 

@@ -61,12 +61,12 @@ def _play_step(env: GuessNumberEnv, action: str):
 
 def test_env_factory_builds_built_ins_and_import_paths_with_kwargs():
     assert isinstance(env_factory("calculator")(), CalculatorEnv)
-    made = env_factory("sluice.sim.env:SimEnv", {"config": None, "instance": 7})()
+    made = env_factory("harness.sim_env:SimEnv", {"config": None, "instance": 7})()
     assert made.instance == 7
     with pytest.raises(ValueError, match="unknown env 'nope'"):
         env_factory("nope")
     with pytest.raises(ValueError, match="cannot load"):
-        env_factory("sluice.sim.env:Missing")
+        env_factory("harness.sim_env:Missing")
 
 
 @pytest.mark.parametrize("name", ["calculator", "guess_number"])

@@ -12,6 +12,7 @@ from sluice.api.protocols import TrainEngine
 from sluice.api.types import MicroBatch, Sample
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.step import run_step
 from tiny import VOCAB, tiny_llama
 
 torch.set_num_threads(1)
@@ -86,9 +87,9 @@ def test_streamed_accumulation_equals_full_batch() -> None:
     samples = make_samples(6, seed=1)
     algo = GRPOAlgorithm()
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    full = engine.train_step(step_batches(engine, samples, [6]), algo)
+    full = run_step(engine, step_batches(engine, samples, [6]), algo, normaliser=1.0)
     grads_full = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
-    streamed = engine.train_step(step_batches(engine, samples, [1, 3, 2]), algo)
+    streamed = run_step(engine, step_batches(engine, samples, [1, 3, 2]), algo, normaliser=1.0)
     for name, p in engine.model.named_parameters():
         assert torch.allclose(p.grad, grads_full[name], atol=1e-6), name
         assert torch.equal(p.detach(), before[name])  # lr = 0 keeps weights fixed
@@ -104,7 +105,7 @@ def test_train_step_changes_weights_and_export_copies() -> None:
     samples = make_samples(6, seed=2)
     w0 = engine.export_weights()
     assert w0["lm_head.weight"] is w0["model.embed_tokens.weight"]  # tied stays tied
-    metrics = engine.train_step(step_batches(engine, samples, [2, 4]), GRPOAlgorithm())
+    metrics = run_step(engine, step_batches(engine, samples, [2, 4]), GRPOAlgorithm(), normaliser=1.0)
     assert metrics["skipped_steps"] == 0.0 and metrics["grad_norm"] > 0
     w1 = engine.export_weights()
     assert any(not torch.equal(w0[k], w1[k]) for k in w0)
@@ -116,7 +117,7 @@ def test_save_load_roundtrip(tmp_path) -> None:
     samples = make_samples(6, seed=3)
     algo = GRPOAlgorithm()
     a = HFTrainEngine(tiny_model(), lr=1e-2)
-    a.train_step(step_batches(a, samples, [3, 3]), algo)
+    run_step(a, step_batches(a, samples, [3, 3]), algo, normaliser=1.0)
     saved = a.export_weights()
     a.save(str(tmp_path))
     b = HFTrainEngine.from_pretrained(str(tmp_path), lr=1e-2)
@@ -125,8 +126,8 @@ def test_save_load_roundtrip(tmp_path) -> None:
         assert torch.equal(v, saved[k]), k
     # Restored optimizer state: the next step is identical on both engines.
     batches = step_batches(a, samples, [6])
-    a.train_step(batches, algo)
-    b.train_step(batches, algo)
+    run_step(a, batches, algo, normaliser=1.0)
+    run_step(b, batches, algo, normaliser=1.0)
     wa, wb = a.export_weights(), b.export_weights()
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-6), k

@@ -14,6 +14,7 @@ from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lora import LoraSpec
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.step import run_step
 from tiny import VOCAB, tiny_llama
 
 torch.set_num_threads(1)
@@ -31,7 +32,7 @@ def _step(engine: HFTrainEngine, seed: int) -> dict[str, float]:
     algo = GRPOAlgorithm()
     adv = algo.advantages(samples)
     mb = MicroBatch(tuple(samples), tuple(map(tuple, adv)), tuple(s.behav_logprobs for s in samples), 1.0)
-    return engine.train_step([mb], algo)
+    return run_step(engine, [mb], algo, normaliser=1.0)
 
 
 def _trained() -> HFTrainEngine:

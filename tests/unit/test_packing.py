@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sluice.api.types import Sample
-from sluice.trainer.microbatch import pad_batch
-from sluice.trainer.packing import family_tokens, pack_batch, packed_chunks, prompt_families
+from sluice.engines.packing import family_tokens, pack_batch, packed_chunks, prompt_families
+from sluice.engines.padding import pad_batch
 from tiny import tiny_llama
 
 

@@ -270,6 +270,7 @@ def test_engine_streams_sequence_modes_like_one_pass(loss: str, mode: str) -> No
     from sluice.api.types import MicroBatch, Sample
     from sluice.engines.hf_train import HFTrainEngine
     from sluice.trainer.algorithm import GRPOAlgorithm
+    from sluice.trainer.step import run_step
     from tiny import VOCAB, tiny_llama
 
     rng = random.Random(0)
@@ -303,7 +304,7 @@ def test_engine_streams_sequence_modes_like_one_pass(loss: str, mode: str) -> No
 
     norm = algo.normaliser(samples)
     assert norm == sum(1 for s in samples if sum(s.loss_mask))
-    full = engine.train_step([batch(range(6), norm)], algo)
+    full = run_step(engine, [batch(range(6), norm)], algo, normaliser=1.0)
     grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
     engine.begin_step()
     for idx in (range(0, 1), range(1, 4), range(4, 6)):

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dp_group import DPGroupReader, ThreadGroupBroadcast
 from sluice.api import Partition, QueueClient, RowMeta, Shard
 from sluice.queue import LocalQueue
-from sluice.queue.dp_group import DPGroupReader, ThreadGroupBroadcast
 from sluice.queue.lifecycle import FreedRows
 from sluice.queue.policies import token_balanced_policy
-from sluice.trainer.microbatch import balance_shards
+from sluice.queue.shards import balance_shards
 
 MakeQueue = Callable[..., QueueClient]
 

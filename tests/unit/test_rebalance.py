@@ -4,11 +4,11 @@ reacting to an injected length shift through the real LLMProxy."""
 from __future__ import annotations
 
 import pytest
+from harness.rebalance import RebalanceConfig, decide
+from harness.rebalance_run import run_with_shift
 
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
-from sluice.sim.rebalance import RebalanceConfig, decide
-from sluice.sim.rebalance_run import run_with_shift
 from sluice.sim.simulate import SimConfig
 
 RULE = RebalanceConfig(min_replicas=1, max_replicas=4, margin=0.1)
@@ -63,9 +63,10 @@ def test_rebalancer_adds_replicas_after_a_length_shift_and_the_step_recovers():
 
 
 def test_rebalancer_acts_on_the_proxy_and_stops_adding_when_it_does_not_pay():
+    from harness.rebalance import Rebalancer
+
     from sluice.rollout.proxy import LLMProxy
     from sluice.sim import SimEngine, run_virtual
-    from sluice.sim.rebalance import Rebalancer
 
     async def scenario():
         proxy = LLMProxy([SimEngine(ENGINE), SimEngine(ENGINE)])

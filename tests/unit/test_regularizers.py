@@ -14,13 +14,13 @@ import torch
 from loss_cases import run_loss
 from sluice.api import Sample
 from sluice.api.types import LossInputs, LossOutputs
-from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.hf_train import HFTrainEngine, token_entropy
 from sluice.pipeline.node_worker import NodeTaskWorker
 from sluice.pipeline.spec import load_dag
 from sluice.queue import LocalQueue
 from sluice.queue.samples import REF_COLUMN, rows_to_samples, samples_to_rows, train_columns
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.losses.regularizers import add_regularizers, kl_estimate, sequence_kl, token_entropy
+from sluice.trainer.losses.regularizers import add_regularizers, kl_estimate, sequence_kl
 from sluice.trainer.worker import TRAIN_TASK
 from tiny import tiny_llama
 

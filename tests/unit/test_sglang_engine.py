@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fakes import FakeSGLangServer
+from fake_sglang import FakeSGLangServer
 from sluice.api import Completion, GenerationRequest, InferenceEngine, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm

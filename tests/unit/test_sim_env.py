@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from harness.sim_agentic import SimAgenticPipeline
+from harness.sim_env import SimEnv, SimEnvConfig, SimEnvCrash
 
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
-from sluice.sim.agentic import SimAgenticPipeline
-from sluice.sim.env import SimEnv, SimEnvConfig, SimEnvCrash
 
 ENGINE = SimEngineConfig(decode_s=0.01, knee=1024, max_running=1024, load_s=0.0,
                          lengths=LengthModel(median=10, prompt_sigma=0.0, sample_sigma=0.0))  # fmt: skip

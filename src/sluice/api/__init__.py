@@ -18,7 +18,6 @@ from sluice.api.protocols import (
 from sluice.api.queue import (
     AsyncQueueClient,
     Batch,
-    GroupBroadcast,
     Partition,
     Policy,
     QueueClient,
@@ -46,7 +45,6 @@ __all__ = [
     "Env",
     "EnvStep",
     "GenerationRequest",
-    "GroupBroadcast",
     "GroupReport",
     "InferenceEngine",
     "LengthPredictor",

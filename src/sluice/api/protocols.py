@@ -73,14 +73,32 @@ class Replica(Protocol):
 
 @runtime_checkable
 class TrainEngine(Protocol):
-    """Owns the trainable policy and its optimizer."""
+    """Owns the trainable policy and its optimizer; the trainer drives one optimizer update as
+    ``begin_step``, ``accumulate`` per micro-batch (in the order the trainer cut them, possibly
+    while the step's groups still arrive), then ``finish_step``."""
 
-    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
-        """Per-response-token log-probs of each sample under the current weights."""
+    def begin_step(self) -> None:
+        """Start an optimizer update: clear the gradients and the update's metric sums."""
         ...
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], algorithm: Algorithm) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches, then take one optimizer step."""
+    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
+        """Forward and backward one micro-batch at once; gradients add up over the update.
+
+        The loss is ``algorithm.loss`` of the micro-batch's response tokens (``[tokens]``
+        tensors, ``LossInputs``), divided by ``mb.normaliser`` (1 when the trainer scales the
+        whole update in ``finish_step``).
+        """
+        ...
+
+    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
+        """Multiply the summed gradients by ``grad_scale`` (``1 / normaliser`` of the update),
+        clip, take one optimizer step. Returns the update's metrics: ``loss`` (scaled), the
+        algorithm's stat sums, ``grad_norm`` (before clipping), ``micro_batches``, ``samples``,
+        ``skipped_steps``."""
+        ...
+
+    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
+        """``[samples][response tokens]`` log-probs under the current weights (no grad)."""
         ...
 
     def export_weights(self) -> dict[str, torch.Tensor]:

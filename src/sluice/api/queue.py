@@ -224,17 +224,3 @@ class StorageUnit(Protocol):
     def stats(self) -> dict[str, Any]:
         """Rows and bytes held."""
         ...
-
-
-@runtime_checkable
-class GroupBroadcast(Protocol):
-    """The ranks of one data-parallel group (e.g. a ``torch.distributed`` group): one value, all ranks."""
-
-    @property
-    def rank(self) -> int:
-        """This process's rank inside the group."""
-        ...
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Every rank calls it; returns rank ``src``'s ``obj`` on every rank."""
-        ...

@@ -29,7 +29,7 @@ import torch
 from sluice.api.types import Sample
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import length_buckets
-from sluice.trainer.microbatch import pad_batch
+from sluice.engines.padding import pad_batch
 
 CRITIC_FILE = "critic.pt"
 """The critic's weights and optimizer state inside a checkpoint folder."""

@@ -1,20 +1,20 @@
 """``TrainEngine`` for a Hugging Face causal LM trained in plain PyTorch (fp32, one device).
 
 Role: the reference training engine. ``logprobs`` recomputes per-response-token
-log-probs (proximal or reference policy) without grad; ``train_step`` accumulates the
-gradients of a step's micro-batches, each loss already divided by the step-wide
-normaliser, so the accumulated gradient equals the full-batch gradient; then one
-gradient-norm clip and one AdamW step. Weights are exported as detached copies for weight
+log-probs (proximal or reference policy) without grad; ``begin_step``, ``accumulate`` per
+micro-batch and ``finish_step`` sum the gradients of an update's micro-batches, scale them by
+the update's normaliser, so the accumulated gradient equals the full-batch gradient, then take
+one gradient-norm clip and one AdamW step. Weights are exported as detached copies for weight
 sync, and ``save`` / ``load`` round-trip model and optimizer state.
 
-Forwards run in one of two layouts: ``packed`` (``trainer/packing.py``: padding-free rows in
+Forwards run in one of two layouts: ``packed`` (``engines/packing.py``: padding-free rows in
 which a group's responses share one copy of its prompt) or ``padded`` (length-sorted, right-padded
 chunks). Both give the same log-probs to float rounding; ``packed`` is about 2× faster on the
 default task (``benchmarks/training.py``).
 
 Deliberately not here: FSDP / tensor parallelism, mixed precision, LR schedules, gradient
 checkpointing, and deciding micro-batch boundaries (the caller passes ``MicroBatch`` es from
-``trainer/microbatch.py``). Log-probs use ``log_softmax(logits / T)``
+``trainer/step.py``). Log-probs use ``log_softmax(logits / T)``
 to match the engines' ``Completion.logprobs`` convention (``T <= 0`` means raw logits).
 """
 
@@ -32,9 +32,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from sluice.api.protocols import Algorithm
 from sluice.api.types import LossInputs, MicroBatch, Sample
 from sluice.engines.lora import LoraSpec, apply_lora, load_adapters, merged_weights, save_merged
-from sluice.trainer.losses.regularizers import token_entropy
-from sluice.trainer.microbatch import pad_batch
-from sluice.trainer.packing import pack_batch, packed_chunks
+from sluice.engines.packing import pack_batch, packed_chunks
+from sluice.engines.padding import pad_batch
 
 logger = logging.getLogger(__name__)
 
@@ -109,23 +108,6 @@ class HFTrainEngine:
                 for i, part in zip(indices, torch.split(flat, lengths), strict=True):
                     result[i] = part.tolist()
         return result
-
-    def train_step(self, micro_batches: Sequence[MicroBatch], algorithm: Algorithm) -> dict[str, float]:
-        """Accumulate gradients over ``micro_batches``, clip, take one AdamW step.
-
-        Returns summed metrics: ``loss`` (Σ micro-batch losses = full-batch loss), the
-        algorithm's loss stats (sums), ``grad_norm`` (before clipping), ``micro_batches``,
-        ``samples`` and ``skipped_steps`` (1 when a non-finite gradient norm skipped the step).
-        The (clipped) gradients stay in ``.grad`` until the next step.
-        """
-        if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch")
-        if len({mb.normaliser for mb in micro_batches}) != 1:
-            raise ValueError("all micro-batches of a step must share one normaliser")
-        self.begin_step()
-        for mb in micro_batches:
-            self.accumulate(mb, algorithm)
-        return self.finish_step()
 
     def begin_step(self) -> None:
         """Start a streamed step: clear gradients and the step's metric sums."""
@@ -273,6 +255,11 @@ def length_buckets(samples: Sequence[Sample], padded_token_budget: int) -> list[
         else:
             parts.append([i])
     return parts
+
+
+def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    """``[tokens]`` entropy of each row of ``logp_all [tokens, vocab]`` (log-probabilities)."""
+    return -(torch.exp(logp_all) * logp_all).sum(dim=-1)
 
 
 def reference_logp(samples: Sequence[Sample], device: torch.device) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ class ModelBindings:
     """``trainer.updates.UpdateSchedule``."""
     temperature: float
     actor: Any = None
-    """The policy's ``StreamingTrainEngine``."""
+    """The policy's ``TrainEngine``."""
     reference: Any = None
     """The frozen reference's ``TrainEngine``."""
     critic: Any = None

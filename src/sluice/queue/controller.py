@@ -11,7 +11,7 @@ Partitions (global batches) are counted per task: how many rows the partition wi
 (declared with the first put), how many this task has consumed; a task that consumed them all is
 done with it, and a ``select`` never waits for more rows than the partition still owes. A
 ``Shard`` read waits until the whole partition is ready, splits it once with
-``balance_shards`` (equal row counts, near-equal tokens; the split is cached, so every rank sees
+``balance_shards`` (``shards.py``: equal row counts, near-equal tokens; the split is cached, so every rank sees
 the same one) and serves that rank's part.
 
 Waiting is the caller's: a waiter is a callable the controller invokes (without arguments, under
@@ -30,6 +30,7 @@ from typing import Any
 
 from sluice.api.queue import Policy, RowMeta, Shard
 from sluice.queue.policies import POLICIES, fifo_policy, resolve_policy
+from sluice.queue.shards import balance_shards
 
 __all__ = ["POLICIES", "PartitionState", "TaskController", "Waiter", "resolve_policy"]
 
@@ -229,8 +230,6 @@ class TaskController:
         if shard.size not in state.shards:
             if len(state.tokens) < state.expected or any(i in self._pending for i in state.tokens):
                 return None
-            from sluice.trainer.microbatch import balance_shards  # torch-free callers need not load it
-
             rows = sorted(state.tokens)
             split = balance_shards([state.tokens[i] for i in rows], shard.size)
             state.shards[shard.size] = [[rows[k] for k in part] for part in split]

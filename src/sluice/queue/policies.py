@@ -11,10 +11,9 @@ the choice and marks it consumed. Every built-in serves the oldest candidate fir
   candidates), oldest first, while they fit in ``batch_size``.
 - ``token_balanced``: ``batch_size`` rows of near-average token count. The oldest (up to)
   ``4 × batch_size`` candidates are split into micro-batches of ``batch_size`` rows and near-equal
-  tokens by ``sluice.trainer.microbatch.balance_shards`` (the one token balancer for data-parallel
-  ranks, beside the trainer's ``balance_by_tokens``), and the one holding the oldest candidate is
-  served; so concurrent data-parallel consumers get micro-batches of near-equal token counts
-  while the oldest row still goes first.
+  tokens by ``balance_shards`` (``queue/shards.py``, the one token balancer for data-parallel
+  ranks), and the one holding the oldest candidate is served; so concurrent data-parallel
+  consumers get micro-batches of near-equal token counts while the oldest row still goes first.
 
 Splitting a whole partition into per-rank shards is the controller's job (``Shard``), not a
 policy's: a policy sees only the rows still available, a shard must be the same for every rank.
@@ -26,6 +25,7 @@ import heapq
 from collections.abc import Sequence
 
 from sluice.api.queue import Policy, RowMeta
+from sluice.queue.shards import balance_shards
 
 
 def fifo_policy(candidates: Sequence[RowMeta], batch_size: int) -> list[int]:
@@ -70,11 +70,8 @@ def token_balanced_policy(candidates: Sequence[RowMeta], batch_size: int) -> lis
 
     The oldest ``k × batch_size`` candidates (``k ≤ TOKEN_WINDOW``, by version then index) are
     split into ``k`` micro-batches of exactly ``batch_size`` rows and near-equal tokens by
-    ``balance_shards`` (the trainer's data-parallel split); the one holding the oldest row is served.
+    ``balance_shards`` (the queue's data-parallel split); the one holding the oldest row is served.
     """
-    # imported here: the trainer module loads torch, which controller actors otherwise never need
-    from sluice.trainer.microbatch import balance_shards
-
     k = min(TOKEN_WINDOW, len(candidates) // max(1, batch_size))
     window = heapq.nsmallest(max(k, 1) * batch_size, candidates, key=lambda m: (m.version, m.index))
     if k <= 1:

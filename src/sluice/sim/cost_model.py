@@ -1,5 +1,5 @@
 """Hybrid cost model (AsyncFlow §4.3): analytic FLOPs / bytes of each pipeline phase for a model
-shape on a device, scaled by efficiencies that a short real measurement fits (``sim.fit``).
+shape on a device, scaled by efficiencies that a short real measurement fits (``benchmarks/harness/fit.py``).
 
 - **decode**: one iteration reads the weights once (memory-bound while the batch is small) and
   does ``2·N`` FLOPs plus a read of its KV cache per sequence, so its time is

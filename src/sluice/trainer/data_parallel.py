@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sluice.api import Algorithm, MicroBatch, Sample
+from sluice.engines.hf_train import HFTrainEngine
 
 NOT_SUMMED = frozenset({"grad_norm", "skipped_steps", "optimizer_steps"})
 """Step metrics every rank computes identically after the all-reduce (not added across ranks)."""
@@ -97,12 +98,12 @@ class AllReducedEngine:
     normaliser, clips and steps, so clipping sees the whole update's gradient.
     """
 
-    def __init__(self, engine: Any, group: DataParallelGroup) -> None:
+    def __init__(self, engine: HFTrainEngine, group: DataParallelGroup) -> None:
         self.engine = engine
         self.group = group
 
     def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
-        return self.engine.logprobs(samples, temperature)  # type: ignore[no-any-return]
+        return self.engine.logprobs(samples, temperature)
 
     def begin_step(self) -> None:
         self.engine.begin_step()
@@ -112,4 +113,13 @@ class AllReducedEngine:
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         self.group.all_reduce_grads(self.engine.model.parameters())
-        return self.engine.finish_step(grad_scale)  # type: ignore[no-any-return]
+        return self.engine.finish_step(grad_scale)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.export_weights()
+
+    def save(self, path: str) -> None:
+        self.engine.save(path)
+
+    def load(self, path: str) -> None:
+        self.engine.load(path)

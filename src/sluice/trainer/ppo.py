@@ -26,12 +26,11 @@ from pathlib import Path
 
 import torch
 
-from sluice.api import Sample
+from sluice.api import Sample, TrainEngine
 from sluice.engines.critic import CriticEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.algos.gae import gae
 from sluice.trainer.losses.regularizers import kl_estimate
-from sluice.trainer.step import StreamingTrainEngine
 from sluice.trainer.updates import (
     UpdateSchedule,
     merge_update_metrics,
@@ -105,7 +104,7 @@ def whiten(values: Sequence[Sequence[float]], masks: Sequence[Sequence[int]], ep
 
 
 def ppo_critic_step(
-    actor: StreamingTrainEngine,
+    actor: TrainEngine,
     critic: CriticEngine,
     samples: Sequence[Sample],
     algorithm: GRPOAlgorithm,

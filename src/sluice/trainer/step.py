@@ -8,25 +8,14 @@ step's loss tokens, or sequences for the seq-mean aggregation modes) at the end,
 step's size is known. A streaming trainer fed the same
 samples in the same order performs exactly the same floating-point operations as a
 whole-batch step, so streaming at η = 0 reproduces the sync loop bit for bit. This module does
-not run models itself; it drives a ``TrainEngine``.
+not run models itself; it drives a ``TrainEngine`` (``sluice.api``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
-from sluice.api import Algorithm, MicroBatch, Sample
-
-
-class StreamingTrainEngine(Protocol):
-    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]: ...
-
-    def begin_step(self) -> None: ...
-
-    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None: ...
-
-    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]: ...
+from sluice.api import Algorithm, MicroBatch, Sample, TrainEngine
 
 
 def step_normaliser(samples: Sequence[Sample], algorithm: Algorithm | None = None) -> float:
@@ -96,7 +85,7 @@ def plan_step(
 
 
 def run_step(
-    engine: StreamingTrainEngine, micro_batches: Sequence[MicroBatch], algorithm: Algorithm, normaliser: float
+    engine: TrainEngine, micro_batches: Sequence[MicroBatch], algorithm: Algorithm, normaliser: float
 ) -> dict[str, float]:
     """One optimizer step: accumulate every micro-batch, then scale by ``1 / normaliser``."""
     engine.begin_step()

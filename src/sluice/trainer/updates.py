@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sluice.api import Algorithm, Sample
-from sluice.trainer.step import InOrderPacker, StreamingTrainEngine, run_step
+from sluice.api import Algorithm, Sample, TrainEngine
+from sluice.trainer.step import InOrderPacker, run_step
 
 MEAN_METRICS = frozenset({"loss", "grad_norm"})
 """Per-update metrics averaged over a step's updates; every other metric is a sum."""
@@ -69,7 +69,7 @@ def mini_batch_ranges(num_samples: int, mini_batches: int) -> list[range]:
 
 
 def proximal_logprobs(
-    engine: StreamingTrainEngine, samples: Sequence[Sample], schedule: UpdateSchedule, temperature: float
+    engine: TrainEngine, samples: Sequence[Sample], schedule: UpdateSchedule, temperature: float
 ) -> list[list[float]]:
     """``[samples][response tokens]``: the current policy's log-probs (decoupled PPO), or the
     behaviour log-probs when the schedule does not recompute them."""
@@ -104,7 +104,7 @@ def mini_batch_plan(
 
 
 def run_updates(
-    engine: StreamingTrainEngine,
+    engine: TrainEngine,
     samples: Sequence[Sample],
     advantages: Sequence[Sequence[float]],
     prox_logprobs: Sequence[Sequence[float]],
@@ -145,7 +145,7 @@ def merge_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, float
 
 
 def train_global_batch(
-    engine: StreamingTrainEngine,
+    engine: TrainEngine,
     samples: Sequence[Sample],
     algorithm: Algorithm,
     micro_batch_tokens: int,

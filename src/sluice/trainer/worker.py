@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, WeightSync
+from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, TrainEngine, WeightSync
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
@@ -35,7 +35,7 @@ from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import AllReducedEngine, DataParallelGroup, free_tcp_address
 from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec, ppo_critic_step
 from sluice.trainer.rng_state import capture_rng, restore_rng
-from sluice.trainer.step import InOrderPacker, StreamingTrainEngine, step_normaliser
+from sluice.trainer.step import InOrderPacker, step_normaliser
 from sluice.trainer.updates import (
     ONE_UPDATE,
     UpdateSchedule,
@@ -95,7 +95,7 @@ class TrainerWorker:
         self._timing: dict[str, float] = {}
         self._trained_uids: list[str] = []
         self.dp: DataParallelGroup | None = None
-        self.updater: StreamingTrainEngine = self.engine
+        self.updater: TrainEngine = self.engine
         """What takes optimizer updates: the engine, or the engine behind the ranks' all-reduce."""
 
     def rendezvous_address(self) -> str:
@@ -310,3 +310,12 @@ class _Traced:
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         return self.worker.updater.finish_step(grad_scale)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.worker.updater.export_weights()
+
+    def save(self, path: str) -> None:
+        self.worker.updater.save(path)
+
+    def load(self, path: str) -> None:
+        self.worker.updater.load(path)

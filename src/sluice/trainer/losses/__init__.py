@@ -11,7 +11,7 @@ clip-higher), ``reinforce.py`` (CISPO, TOPR), ``gspo.py`` (sequence-level ratio)
 options (see each function). Stats are detached *sums*.
 
 Deliberately not here: advantage estimation (``trainer/algos``), building the tensors from
-samples (``engines/``, ``trainer/microbatch.py``). The KL-to-reference and entropy terms are
+samples (``engines/``, ``trainer/step.py``). The KL-to-reference and entropy terms are
 added on top of any of these (``regularizers.py``).
 """
 

@@ -13,7 +13,7 @@ and summed over a sequence's loss tokens: ``r' = r − kl_coef · Σ_t kl_t`` (t
 KL penalty of RLHF with scalar baselines). The entropy bonus subtracts ``entropy_coef`` times
 the aggregated per-token entropy of π_θ (computed by the train engine from the full
 distribution). Deliberately not here: computing reference log-probs (``trainer/reference.py``)
-or entropies (``engines/``).
+or entropies (``engines/hf_train.token_entropy``).
 """
 
 from __future__ import annotations
@@ -77,8 +77,3 @@ def add_regularizers(
         loss = loss - entropy_coef * aggregate(entropy, inputs, agg_mode)
         stats["entropy_sum"] = masked_sum(entropy, mask)
     return LossOutputs(loss=loss, stats=stats)
-
-
-def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
-    """``[tokens]`` entropy of each row of ``logp_all [tokens, vocab]`` (log-probabilities)."""
-    return -(torch.exp(logp_all) * logp_all).sum(dim=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from harness.sim_env import SimEnvConfig, SimEnvFactory
 from sluice.api import SamplingParams
 from sluice.api.protocols import WeightUpdateMode
 from sluice.queue import AsyncLocalQueue
@@ -19,7 +20,6 @@ from sluice.rollout.env_runner import EnvRunner
 from sluice.rollout.episode import EpisodeLimits, EpisodeRunner
 from sluice.rollout.trajectory import ChatFormat
 from sluice.sim.engine import SimEngine
-from sluice.sim.env import SimEnvConfig, SimEnvFactory
 from sluice.sim.pipeline import SimPipeline, SimTrainerConfig
 from sluice.sim.task import SimTokenizer, sim_prompts
 

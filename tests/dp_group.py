@@ -10,6 +10,12 @@ fetching rank is one consumer of the task's controller.
 
 It deliberately does not pick which rows a group gets (the controller's policy or ``Shard``
 does) and does not move tensors device-side (the trainer does after receiving).
+
+A test helper, not product code: no ``sluice`` subcommand reads through a DP group yet (the
+trainer's data-parallel ranks are DDP replicas that each read their own groups), so it lives
+beside the tests that show the queue supports the pattern (``tests/unit/test_queue_lifecycle.py``,
+``tests/integration/test_queue_ray.py``) until a runtime with tensor- or sequence-parallel peers
+needs it.
 """
 
 from __future__ import annotations
@@ -17,11 +23,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from sluice.api.queue import Batch, GroupBroadcast, QueueClient
+from sluice.api.queue import Batch, QueueClient
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class GroupBroadcast(Protocol):
+    """The ranks of one data-parallel group (e.g. a ``torch.distributed`` group): one value, all ranks."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside the group."""
+        ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Every rank calls it; returns rank ``src``'s ``obj`` on every rank."""
+        ...
 
 
 class DPGroupReader:

@@ -4,15 +4,15 @@ lengths change at a given step, with or without a ``Rebalancer`` acting through 
 and the trainer's busy seconds (training), the numbers a real run's step metrics and trace give,
 and records per-step rows for plots and tests.
 
-It does not decide anything itself (``sim.rebalance.decide``) and is not used by real runs.
+It does not decide anything itself (``harness.rebalance.decide``) and is not used by real runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from harness.rebalance import RebalanceConfig, RebalanceEvent, Rebalancer
 from sluice.sim.engine import LengthModel
-from sluice.sim.rebalance import RebalanceConfig, RebalanceEvent, Rebalancer
 from sluice.sim.simulate import CostedTrainerPipeline, SimConfig, SimResult, simulate
 
 

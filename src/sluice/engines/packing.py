@@ -14,7 +14,7 @@ sorted by length like ``engines/hf_train.length_buckets``, so the dense mask sta
 Deliberately not here: varlen / flash-attention kernels (none on CPU: the mask is dense and
 attention costs O(row²), which is why rows default to the longest family's length), model
 forwards and losses (``engines/hf_train.py``), and micro-batch boundaries
-(``trainer/microbatch.py``).
+(``trainer/step.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from sluice.api.types import Sample
-from sluice.trainer.microbatch import response_tensors
+from sluice.engines.padding import response_tensors
 
 MASKED = torch.finfo(torch.float32).min
 
@@ -87,7 +87,7 @@ def pack_batch(
 ) -> dict[str, torch.Tensor]:
     """Packed model inputs for ``rows`` (each a list of samples, families consecutive).
 
-    Same keys and meanings as ``trainer.microbatch.pad_batch`` (response tokens flattened in
+    Same keys and meanings as ``engines.padding.pad_batch`` (response tokens flattened in
     row-major sample order), except that ``attention_mask`` is a ``[B, 1, T, T]`` additive float
     mask, and ``position_ids`` ``[B, T]`` restarts for every family and continues each
     response from its prompt's end.
