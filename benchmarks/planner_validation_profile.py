@@ -140,14 +140,14 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
     for task, columns in queue_tasks(spec).items():
         queue.register_task(task, columns)
     worker = TrainerWorker(**trainer_kwargs(spec, queue, InProcessWeightSync()))  # sets the run's threads
-    engine = HFInferenceEngine(load_causal_lm(spec.model_dir), max_batch=spec.max_batch)
+    engine = HFInferenceEngine(load_causal_lm(spec.model_dir), max_batch=spec.config.rollout.max_batch)
     rng = random.Random(0)
     rates, busy, tokens, lengths = [], [], [], []
     for step in range(steps):
         groups = _sampled_groups(trainer, engine, prompts_per_step, step * prompts_per_step, rng)
         lengths += [[len(s.response_ids) for s in g] for g in groups]
         for group in groups:
-            queue.put(*samples_to_rows(group, spec.group_size))
+            queue.put(*samples_to_rows(group, spec.config.rollout.group_size))
         step_tokens = sum(s.num_tokens for g in groups for s in g)
         start = time.perf_counter()
         worker.begin_step()
@@ -161,5 +161,5 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
             tokens.append(step_tokens)
     queue.close()
     return {"token_s": statistics.mean(rates), "step_busy_s": busy, "step_tokens": tokens,
-            "micro_batch_tokens": spec.micro_batch_tokens, "threads": spec.trainer_threads,
+            "micro_batch_tokens": spec.config.trainer.micro_batch_tokens, "threads": spec.trainer_threads,
             "prompts_per_step": prompts_per_step, "response_lengths": lengths}  # fmt: skip

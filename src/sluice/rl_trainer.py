@@ -2,8 +2,9 @@
 
 It wires config → task → engines → workflow → trainer and exposes AsyncFlow's verbs
 (``init_engines``, ``load_prompt_data``, ``send_experience_data``, ``recv_experience_data``,
-``sync_actor_model``, ``fit``). The loop itself lives in ``controller/``; the numerics live in
-``engines/`` and ``trainer/``. The CLI is a thin shell over this class.
+``sync_actor_model``, ``fit``) over one set of workers in every mode. The loop itself lives in
+``controller/``; the numerics live in ``engines/`` and ``trainer/``. The CLI is a thin shell
+over this class.
 
     from sluice import RLTrainer
     from sluice.config import load_config
@@ -19,7 +20,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,23 +34,20 @@ from sluice.config.agentic import check_agentic
 from sluice.controller.pipelines import PipelineSpec
 from sluice.controller.resume import open_checkpoints
 from sluice.controller.run_state import TrainingRun
+from sluice.controller.step_by_step import StepByStep
 from sluice.controller.training import run_training
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
-from sluice.engines.lora import LoraSpec
 from sluice.pipeline.run_dag import place_dag, plan_for_run
 from sluice.rewards import build_reward_service
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
-from sluice.rollout.filters import FILTERS
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.dataset import DatasetError, PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.ppo import CriticSpec
-from sluice.trainer.updates import UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK
 
 log = logging.getLogger(__name__)
@@ -81,6 +80,10 @@ class RLTrainer:
         self.model_dir: Path | None = None
         self._engines_ready = False
         self._data_ready = False
+        self._step_by_step: StepByStep | None = None
+        self._next_group = 0
+        self.discarded: Counter[str] = Counter()
+        """Samples of groups the verbs' waves discarded, per reason (``fit`` logs its own fates)."""
         torch.set_num_threads(config.run.threads or os.cpu_count() or 1)
         torch.manual_seed(config.run.seed)
 
@@ -135,6 +138,51 @@ class RLTrainer:
         self._require_data()
         return evaluate(self.engine, self.eval_items, self.tokenizer, self.reward_service, self.max_new_tokens)
 
+    # -- the loop by hand: the same workers as fit, one verb at a time -------------------------
+
+    def send_experience_data(self, num_groups: int | None = None) -> list[int]:
+        """Generate and score the next ``num_groups`` prompt groups (default
+        ``rollout.prompts_per_step``) with the engines' current weights, as one wave, and write
+        them to the TransferQueue. Returns the ids of the groups stored; a group a filter or a
+        failed reward discarded is counted in ``discarded`` instead."""
+        session = self._session()
+        count = num_groups or self.config.rollout.prompts_per_step
+        groups = [(item, self._next_group + k) for k, item in enumerate(self.prompts.take(count))]
+        self._next_group += count
+        stored = []
+        for report in session.generate(groups):
+            if report.discard_reason is None:
+                stored.append(report.group_id)
+            else:
+                self.discarded[report.discard_reason] += report.num_samples
+        return sorted(stored)
+
+    def recv_experience_data(self, group_ids: Sequence[int]) -> dict[str, float]:
+        """The trainer receives these stored groups from the TransferQueue (it reads them itself)
+        and takes one optimizer step over them, in this order: version v → v + 1. Its metrics."""
+        return self._session().train(group_ids)
+
+    def sync_actor_model(self) -> dict[str, float]:
+        """The inference engines load the trainer's newest version; the sync's timings."""
+        return self._session().sync_weights()
+
+    def save_model(self, path: str | Path) -> None:
+        """The trained policy and the tokenizer as an HF folder."""
+        self._session().save(str(path))
+        self.tokenizer.save_pretrained(path)
+
+    def close(self) -> None:
+        """Stop the workers the verbs started (``fit`` manages its own)."""
+        if self._step_by_step is not None:
+            self._step_by_step.close()
+            self._step_by_step = None
+
+    def _session(self) -> StepByStep:
+        self._require_data()
+        if self._step_by_step is None:
+            self._step_by_step = StepByStep(self.config, self.pipeline_spec(), self.prompts)
+        return self._step_by_step
+
     def fit(self, progress: TrainProgress | None = None) -> FitResult:
         """Run the whole training (``run.mode``: the sync or the async schedule of the same
         workers): base eval, the loop, final eval, the final model saved as an HF folder,
@@ -164,41 +212,11 @@ class RLTrainer:
         """What the workers are built from: the config's sections and the run's resolved pieces."""
         self._require_engines()
         assert self.model_dir is not None
-        cfg = self.config
-        t = cfg.trainer
-        sync = cfg.run.mode == "sync"  # nothing overlaps: each phase may take every thread
-        threads = cfg.run.threads or os.cpu_count() or 1
+        agentic = env_rollout_spec(self.config.agentic, self.task.env, self.max_new_tokens)
         return PipelineSpec(
-            model_dir=self.model_dir,
-            reward=self.reward,
-            params=self.params,
-            group_size=cfg.rollout.group_size,
-            run_seed=cfg.run.seed,
-            max_batch=cfg.rollout.max_batch,
-            algorithm=self.algorithm,
-            engine_kwargs=self.train_engine_kwargs,
-            micro_batch_tokens=t.micro_batch_tokens,
-            update_schedule=UpdateSchedule(t.ppo_mini_batches, t.ppo_epochs, t.prox_logprobs == "recompute"),
-            weight_update=cfg.rollout.weight_update,
-            group_filter=FILTERS[cfg.rollout.filter_groups],
-            reward_config=cfg.reward,
-            rollout_threads=threads if sync else cfg.run.rollout_threads,
-            trainer_threads=threads if sync else cfg.run.trainer_threads,
-            data_parallel=t.data_parallel,
-            trace=cfg.run.trace,
-            replicas=cfg.rollout.replicas,
-            prompt_replication=cfg.rollout.prompt_replication,
-            stagger=cfg.rollout.stagger,
-            scheduling=cfg.rollout.scheduling,
-            engine=cfg.rollout.engine,
-            engine_options=cfg.engine_options(),
-            fleet=cfg.fleet,
-            dag=place_dag(self.dag_plan, TRAIN_TASK),
-            agentic=env_rollout_spec(cfg.agentic, self.task.env, self.max_new_tokens),
-            critic=CriticSpec(t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda)
-            if t.algorithm == "ppo"
-            else None,
-        )
+            self.config, self.model_dir, self.reward, self.params, self.algorithm,
+            dag=place_dag(self.dag_plan, TRAIN_TASK), agentic=agentic,
+        )  # fmt: skip
 
     @property
     def algorithm(self) -> GRPOAlgorithm:
@@ -218,21 +236,6 @@ class RLTrainer:
             kl_in=t.kl_in,
             entropy_coef=t.entropy_coef,
         )
-
-    @property
-    def train_engine_kwargs(self) -> dict[str, Any]:
-        t = self.config.trainer
-        return {
-            "lr": t.lr,
-            "betas": t.betas,
-            "weight_decay": t.weight_decay,
-            "grad_clip": t.grad_clip,
-            "temperature": self.config.rollout.temperature,
-            "layout": t.layout,
-            "share_prompts": t.share_prompts,
-            "pack_row_tokens": t.pack_row_tokens,
-            "lora": LoraSpec(t.lora_rank, t.lora_alpha, t.lora_targets) if t.lora_rank else None,
-        }
 
     @property
     def max_new_tokens(self) -> int:

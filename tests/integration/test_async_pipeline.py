@@ -60,7 +60,8 @@ def test_eta0_streaming_reproduces_sync_bit_for_bit(model_dir, tmp_path, backend
     assert weights["engine_version"] == weights["trainer_version"] == 3
     assert weights["engine_checksum"] == weights["trainer_checksum"]
     assert all(r["step"] - 1 <= r["engine_version"] <= r["step"] for r in trains)  # sync runs in the background
-    assert all(r["exposed_weight_sync_s"] >= 0 for r in trains[1:])
+    # exposed sync time is the part of the sync generation waited for: never more than the sync
+    assert all(0 <= r["exposed_weight_sync_s"] <= r["weight_sync_s"] and r["weight_sync_s"] > 0 for r in trains[1:])
     fates = next(r for r in async_records if r["kind"] == "fates")
     assert fates["groups_trained"] == 3 * 4
     assert (tmp_path / f"async-{backend}" / "trace.json").is_file()
@@ -79,8 +80,10 @@ def test_eta1_weight_update_modes_keep_the_bound(model_dir, tmp_path, mode):
     assert weights["engine_version"] == weights["trainer_version"] == 3
     assert weights["engine_checksum"] == weights["trainer_checksum"]
     assert weights["engine_weight_updates"] == 3
-    if mode == "defer":  # updates waited for running sequences to drain
-        assert weights["engine_weight_drain_s"] >= 0
+    if mode == "defer":  # running sequences finished on the old weights: nothing re-prefilled
+        assert weights["engine_reprefill_tokens"] == 0
+    else:  # loaded at once: nothing waited for a drain
+        assert weights["engine_weight_drain_s"] == 0
     fates = next(r for r in records if r["kind"] == "fates")
     assert fates["groups_trained"] == 12
     assert sum(v for k, v in fates.items() if k.startswith("staleness_")) == 12

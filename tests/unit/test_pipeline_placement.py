@@ -3,7 +3,6 @@ tasks each worker serves; a failed column-task worker stops the run instead of h
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,35 +10,33 @@ import pytest
 
 from fakes import FakeAlgorithm, length_reward
 from sluice.api import SamplingParams
+from sluice.config import load_config
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
 from sluice.controller.ray_pipeline import RayPipeline, actor_cpu_share
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
-from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec
+from sluice.trainer.ppo import VALUES_COLUMN
 from sluice.trainer.worker import TRAIN_TASK
 
 
-def _spec(**kw) -> PipelineSpec:
-    base = PipelineSpec(
-        model_dir=Path("."), reward=length_reward, params=SamplingParams(max_new_tokens=4), group_size=2,
-        run_seed=0, max_batch=4, algorithm=FakeAlgorithm(), engine_kwargs={}, micro_batch_tokens=64,
-        weight_update="interrupt",
-    )  # fmt: skip
-    return replace(base, **kw)
+def _spec(*overrides: str, algorithm=None) -> PipelineSpec:
+    config = load_config(None, ["run.backend=ray", *overrides])
+    params = SamplingParams(max_new_tokens=4)
+    return PipelineSpec(config, Path("."), length_reward, params, algorithm or FakeAlgorithm())
 
 
 def test_actors_share_cpus_so_trainer_ranks_and_reference_are_placed_together():
     # 2 CPUs: rollout + 2 trainer ranks must all start, or the ranks' rendezvous never completes
-    assert actor_cpu_share(2.0, _spec(data_parallel=2)) * 3 <= 2.0
+    assert actor_cpu_share(2.0, _spec("trainer.data_parallel=2")) * 3 <= 2.0
     assert actor_cpu_share(2.0, _spec()) == 1.0  # rollout + one trainer: a CPU each
-    assert actor_cpu_share(16.0, _spec(data_parallel=4)) == 1.0
+    assert actor_cpu_share(16.0, _spec("trainer.data_parallel=4")) == 1.0
     with_reference = FakeAlgorithm()
     with_reference.uses_reference = True  # the trainer waits on the reference worker's column
     assert actor_cpu_share(2.0, _spec(algorithm=with_reference)) * 3 <= 2.0
 
 
 def test_the_critic_values_task_gets_a_worker_and_the_trainer_reads_its_column():
-    critic = _spec(critic=CriticSpec(lr=1e-3))
+    critic = _spec("trainer.algorithm=ppo")
     assert actor_cpu_share(2.0, critic) * 3 <= 2.0  # rollout, trainer and the critic-values worker
     tasks = queue_tasks(critic)
     assert tasks["values"] == SAMPLE_COLUMNS and tasks[TRAIN_TASK] == (*SAMPLE_COLUMNS, VALUES_COLUMN)

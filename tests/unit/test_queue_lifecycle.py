@@ -273,7 +273,12 @@ def test_docs_custom_task_example_runs() -> None:
     section = text[text.index("## A custom task") :]
     start = section.index("```python") + len("```python")
     code = section[start : section.index("```\n", start)]
-    exec(compile(code, "docs/queue.md", "exec"), {})
+    scope: dict[str, object] = {}
+    exec(compile(code, "docs/queue.md", "exec"), scope)
+    train = scope["train"]
+    assert sorted(train.indices) == [0, 1, 2, 3] and not train.done  # type: ignore[attr-defined]
+    by_row = dict(zip(train.indices, train.columns["score"], strict=True))  # type: ignore[attr-defined]
+    assert by_row == {0: 3.0, 1: 2.0, 2: 1.0, 3: 4.0}  # the custom task's column reached the trainer
 
 
 def test_shm_arena_ring_never_overlaps_live_slots() -> None:

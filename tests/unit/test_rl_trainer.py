@@ -13,3 +13,10 @@ def test_verbs_in_the_wrong_order_say_which_first():
     trainer = RLTrainer(load_config(None, ["run.mode=sync"]))
     with pytest.raises(RuntimeError, match=r"init_engines\(\) first"):
         trainer.load_prompt_data()
+
+
+def test_the_verbs_need_data_first_and_close_is_safe_without_workers():
+    trainer = RLTrainer(load_config(None, ["run.mode=sync"]))
+    with pytest.raises(RuntimeError, match=r"load_prompt_data\(\) first"):
+        trainer.send_experience_data()
+    trainer.close()  # no workers were started: nothing to stop

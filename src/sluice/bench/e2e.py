@@ -1,6 +1,7 @@
 """``sluice bench e2e``: sync vs streaming vs asynchronous training on the same sample budget.
 
-Full runs of the same config in one process, differing only in the pipeline: ``sync``;
+Full runs of the same config in one process, differing only in the schedule and placement:
+``sync`` (the barrier schedule, one process);
 streaming at η = 0 (overlap inside a step only: the queue's own gain, AsyncFlow's ablation);
 η = 1; η = 4; η = 1 with two data-parallel trainer ranks (the trainer is the bottleneck of the
 default run, and a second rank uses the core the rollout worker leaves idle); and sync on one
@@ -27,12 +28,12 @@ from typing import Any
 from sluice.config import load_config
 
 VARIANTS: dict[str, list[str]] = {
-    "sync": ["run.mode=sync"],
+    "sync": ["run.mode=sync", "run.backend=local"],
     "stream η=0": ["run.mode=async", "rollout.max_staleness=0"],
     "async η=1": ["run.mode=async", "rollout.max_staleness=1"],
     "async η=4": ["run.mode=async", "rollout.max_staleness=4"],
     "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "trainer.data_parallel=2"],
-    "sync 1 thread": ["run.mode=sync", "run.threads=1"],
+    "sync 1 thread": ["run.mode=sync", "run.backend=local", "run.threads=1"],
 }
 
 

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from sluice.config.agentic import AgenticConfig
 from sluice.config.fleet import FleetConfig, check_fleet
+from sluice.config.modes import sync_is_eta_zero
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
 
@@ -339,19 +340,7 @@ class SluiceConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _sync_is_eta_zero(cls, data: Any) -> Any:
-        """``run.mode: sync`` is the barrier schedule at η = 0: ``rollout.max_staleness`` defaults to
-        0 there, and a staleness bound or ``forced_lag`` (meaningless without overlap) is refused."""
-        if not isinstance(data, dict):
-            return data
-        run, rollout = data.get("run") or {}, data.get("rollout") or {}
-        mode = run.get("mode") if isinstance(run, dict) else getattr(run, "mode", None)
-        if mode != "sync" or not isinstance(rollout, dict):
-            return data
-        if rollout.get("max_staleness", 0) not in (0, "0"):
-            raise ValueError("rollout.max_staleness: run.mode=sync trains on-policy (η = 0); use run.mode=async")
-        if rollout.get("forced_lag") not in (None, False, "false", "False"):
-            raise ValueError("rollout.forced_lag: holds an asynchronous trainer behind; needs run.mode=async")
-        return {**data, "rollout": {**rollout, "max_staleness": 0}}
+        return sync_is_eta_zero(data)
 
     model: ModelConfig = ModelConfig()
     """The policy to train."""

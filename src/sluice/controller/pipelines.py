@@ -12,15 +12,17 @@ process (``controller/ray_pipeline.py``). Nothing here decides what to run when.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.config import SluiceConfig
 from sluice.config.fleet import FleetConfig
-from sluice.config.models import RewardConfig
+from sluice.engines.lora import LoraSpec
 from sluice.pipeline.node_worker import NodeTaskWorker
 from sluice.pipeline.planner import compile_dag
 from sluice.pipeline.run_dag import DagPlacement, place_dag
@@ -29,52 +31,77 @@ from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.snapshot import groups_snapshot
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
-from sluice.rollout.filters import GroupFilter
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
 from sluice.trainer.ppo import CriticSpec
-from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule
+from sluice.trainer.updates import UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
 
 WEIGHT_POLL_S = 0.005
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineSpec:
-    """Everything the workers are built from (picklable, so Ray actors can receive it)."""
+    """What the workers are built from: the run's config sections and what the run resolved from
+    them (picklable, so Ray actors can receive it). Each worker takes its own section."""
 
+    config: SluiceConfig
     model_dir: Path
     reward: RewardFn
     params: SamplingParams
-    group_size: int
-    run_seed: int
-    max_batch: int
     algorithm: Algorithm
-    engine_kwargs: dict[str, Any]
-    micro_batch_tokens: int
-    weight_update: str
-    group_filter: GroupFilter | None = None
-    reward_config: RewardConfig | None = None
-    rollout_threads: int = 1
-    trainer_threads: int = 1
-    trace: bool = True
-    replicas: int = 1
-    prompt_replication: bool = True
-    stagger: int = 1
-    scheduling: str = "queue"
-    update_schedule: UpdateSchedule = ONE_UPDATE
-    data_parallel: int = 1
-    engine: str = "hf"
-    engine_options: dict[str, Any] = field(default_factory=dict)
-    fleet: FleetConfig = field(default_factory=FleetConfig)
     dag: DagPlacement | None = None
     """The run's DAG over the workers: queue tasks, node workers, the reward column (``None``: the
     algorithm's built-in DAG)."""
     agentic: EnvRolloutSpec | None = None
     """Multi-turn episodes of an environment instead of single-turn groups (``rollout/agentic.py``)."""
-    critic: CriticSpec | None = None
-    """PPO's critic: a critic-values worker serves the ``critic`` task, the trainer updates it."""
+
+    @property
+    def data_parallel(self) -> int:
+        return self.config.trainer.data_parallel
+
+    @property
+    def rollout_threads(self) -> int:
+        return self._threads(self.config.run.rollout_threads)
+
+    @property
+    def trainer_threads(self) -> int:
+        return self._threads(self.config.run.trainer_threads)
+
+    def _threads(self, own: int) -> int:
+        """``sync`` overlaps nothing, so each phase may take every thread of ``run.threads``."""
+        run = self.config.run
+        return (run.threads or os.cpu_count() or 1) if run.mode == "sync" else own
+
+    @property
+    def critic(self) -> CriticSpec | None:
+        """PPO's critic: the ``values`` node's worker values rows with it, the trainer updates it."""
+        t = self.config.trainer
+        if t.algorithm != "ppo":
+            return None
+        return CriticSpec(t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda)
+
+    @property
+    def update_schedule(self) -> UpdateSchedule:
+        t = self.config.trainer
+        return UpdateSchedule(t.ppo_mini_batches, t.ppo_epochs, t.prox_logprobs == "recompute")
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The train engine's arguments (``HFTrainEngine``) from the ``trainer`` section."""
+        t = self.config.trainer
+        return {
+            "lr": t.lr,
+            "betas": t.betas,
+            "weight_decay": t.weight_decay,
+            "grad_clip": t.grad_clip,
+            "temperature": self.config.rollout.temperature,
+            "layout": t.layout,
+            "share_prompts": t.share_prompts,
+            "pack_row_tokens": t.pack_row_tokens,
+            "lora": LoraSpec(t.lora_rank, t.lora_alpha, t.lora_targets) if t.lora_rank else None,
+        }
 
 
 class _Pipeline:
@@ -143,7 +170,8 @@ class LocalPipeline(_Pipeline):
         return await self._in_trainer(self.trainer.finish_step)
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        metrics = await self.rollout_worker.load_version(self.weight_sync, version, self.spec.weight_update)
+        mode = self.spec.config.rollout.weight_update
+        metrics = await self.rollout_worker.load_version(self.weight_sync, version, mode)
         await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
@@ -231,26 +259,20 @@ def node_worker_kwargs(spec: PipelineSpec, critic_sync: WeightSync | None) -> di
 
 
 def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
+    cfg = spec.config
     return {
         "model_dir": spec.model_dir,
         "queue": queue,
         "reward": spec.reward,
         "params": spec.params,
-        "group_size": spec.group_size,
-        "run_seed": spec.run_seed,
-        "max_batch": spec.max_batch,
-        "group_filter": spec.group_filter,
-        "reward_config": spec.reward_config,
-        "threads": spec.rollout_threads,
-        "trace": spec.trace,
-        "replicas": spec.replicas,
-        "prompt_replication": spec.prompt_replication,
-        "stagger": spec.stagger,
-        "scheduling": spec.scheduling,
-        "engine": spec.engine,
-        "engine_options": spec.engine_options,
-        "fleet": spec.fleet,
+        "rollout": cfg.rollout,
+        "run_seed": cfg.run.seed,
+        "reward_config": cfg.reward,
+        "fleet": cfg.fleet,
+        "engine_options": cfg.engine_options(),
         "agentic": spec.agentic,
+        "threads": spec.rollout_threads,
+        "trace": cfg.run.trace,
     }
 
 
@@ -260,12 +282,12 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
         "queue": queue,
         "algorithm": spec.algorithm,
         "weight_sync": weight_sync,
-        "group_size": spec.group_size,
-        "micro_batch_tokens": spec.micro_batch_tokens,
+        "group_size": spec.config.rollout.group_size,
+        "micro_batch_tokens": spec.config.trainer.micro_batch_tokens,
         "schedule": spec.update_schedule,
         "engine_kwargs": spec.engine_kwargs,
         "threads": spec.trainer_threads,
-        "trace": spec.trace,
+        "trace": spec.config.run.trace,
         "critic": spec.critic,
         "critic_sync": critic_sync,
         "reward_column": placement(spec).reward_column,

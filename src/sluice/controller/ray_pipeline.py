@@ -44,7 +44,9 @@ class RayPipeline(_Pipeline):
         super().__init__(spec, prompts)
         ensure_ray(address)
         self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec))
-        self.weight_sync, self.engine_weight_sync = weight_syncs(spec.fleet, f"sluice-weights-{os.getpid()}-{id(self)}")
+        self.weight_sync, self.engine_weight_sync = weight_syncs(
+            spec.config.fleet, f"sluice-weights-{os.getpid()}-{id(self)}"
+        )
         over = spec.rollout_threads + spec.trainer_threads * spec.data_parallel > (os.cpu_count() or 1)
         # Every actor must be placed at once (the trainer ranks meet in a rendezvous, the trainer
         # waits on the reference worker), so they share the cluster's CPUs rather than queue for them.
@@ -132,7 +134,7 @@ class RayPipeline(_Pipeline):
         return results[0]
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        sync, mode = self.engine_weight_sync, self.spec.weight_update
+        sync, mode = self.engine_weight_sync, self.spec.config.rollout.weight_update
         metrics = await self.rollout_actor.load_version.remote(sync, version, mode)
         await wait_engine_version(self.engine_stats, version)
         self.engine_version = version

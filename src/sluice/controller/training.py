@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from sluice.config import SluiceConfig
 from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
@@ -21,6 +22,7 @@ from sluice.controller.resume import DriverState, restore_checkpoint, resume_con
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.staleness import StalenessGate
 from sluice.rollout.evaluate import EvalResult
+from sluice.tasks.dataset import PromptStream
 from sluice.telemetry.cpu import CpuMeter
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
@@ -37,15 +39,19 @@ ENGINE_SYNC_STATS = (
 )
 
 
+def place_pipeline(config: SluiceConfig, spec: PipelineSpec, prompts: PromptStream) -> LocalPipeline | RayPipeline:
+    """The run's workers on ``run.backend``: one process (``local``) or an actor each (``ray``)."""
+    if config.run.backend == "ray":
+        return RayPipeline(spec, prompts, config.run.ray_address)
+    return LocalPipeline(spec, prompts)
+
+
 async def run_training(
     run: TrainingRun, spec: PipelineSpec, resumed: DriverState | None
 ) -> tuple[EvalResult, EvalResult]:
     """Place the workers, run ``run.config.run.steps`` steps, evaluate before and after."""
     cfg = run.config
-    if cfg.run.backend == "ray":
-        pipeline: LocalPipeline | RayPipeline = RayPipeline(spec, run.prompts, cfg.run.ray_address)
-    else:
-        pipeline = LocalPipeline(spec, run.prompts)
+    pipeline = place_pipeline(cfg, spec, run.prompts)
     max_new = run.max_new_tokens
     try:
         if resumed is None:

@@ -24,15 +24,15 @@ import torch
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
 from sluice.config.fleet import FleetConfig
-from sluice.config.models import RewardConfig
+from sluice.config.models import RewardConfig, RolloutConfig
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
 from sluice.rewards import build_reward_service
 from sluice.rollout.agentic import EnvRolloutSpec, build_env_runner, evaluate_episodes
 from sluice.rollout.env_runner import EnvRunner
 from sluice.rollout.evaluate import EvalResult, evaluate_async
-from sluice.rollout.filters import GroupFilter
-from sluice.rollout.groups import GroupRunner, Scheduling
+from sluice.rollout.filters import FILTERS
+from sluice.rollout.groups import GroupRunner
 from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.proxy import LLMProxy
 from sluice.rollout.replicas import engine_fingerprint, start_engine_actors
@@ -49,31 +49,24 @@ class RolloutWorker:
         model_dir: str | Path,
         queue: AsyncQueueClient,
         reward: RewardFn,
-        params: SamplingParams | None,
-        group_size: int,
+        params: SamplingParams,
+        rollout: RolloutConfig,
         *,
         run_seed: int,
-        max_batch: int,
-        group_filter: GroupFilter | None = None,
-        reward_config: RewardConfig | None = None,
+        reward_config: RewardConfig,
+        fleet: FleetConfig,
+        engine_options: Mapping[str, Any],
+        agentic: EnvRolloutSpec | None = None,
         threads: int = 1,
         trace: bool = True,
         name: str = "rollout",
-        replicas: int = 1,
-        prompt_replication: bool = True,
-        stagger: int = 1,
-        scheduling: Scheduling = "queue",
-        engine: str = "hf",
-        engine_options: Mapping[str, Any] | None = None,
-        fleet: FleetConfig | None = None,
-        agentic: EnvRolloutSpec | None = None,
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.tokenizer = load_tokenizer(model_dir)
-        fleet = fleet or FleetConfig()
+        engine, max_batch, replicas = rollout.engine, rollout.max_batch, rollout.replicas
         self.engines: list[Any] = (
             start_engine_actors(
-                replicas, engine, str(model_dir), max_batch=max_batch, options=engine_options or {}, threads=threads
+                replicas, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads
             )
             if fleet.replica_actors
             else [
@@ -83,53 +76,50 @@ class RolloutWorker:
         )
         self.proxy = LLMProxy(
             self.engines,
-            prompt_replication=prompt_replication,
-            stagger=stagger,
+            prompt_replication=rollout.prompt_replication,
+            stagger=rollout.stagger,
             length_predictor=OnlineLengthRanker() if fleet.lpt else None,
             slots=max_batch,
             long_tail=long_tail_split(fleet, max_batch),
         )
         self.fleet = fleet
-        if params is not None and not params.stop_token_ids:
+        if not params.stop_token_ids:
             params = SamplingParams(
                 params.max_new_tokens, params.temperature, params.top_p, (self.tokenizer.eos_token_id,)
             )
         self.params = params
-        self.reward = build_reward_service(reward_config or RewardConfig(), reward)
-        self.group_size = group_size
+        self.reward = build_reward_service(reward_config, reward)
+        self.group_size = group_size = rollout.group_size
         self.tracer = SpanRecorder(name, enabled=trace)
-        self.runner: GroupRunner | EnvRunner | None = None
         self.env_runner: EnvRunner | None = None
-        if params is not None and agentic is not None:  # multi-turn: episodes of an environment
+        self.runner: GroupRunner | EnvRunner
+        if agentic is not None:  # multi-turn: episodes of an environment
             self.runner = self.env_runner = build_env_runner(
                 agentic, self.proxy, queue, self.tokenizer, params, group_size=group_size, run_seed=run_seed,
                 model_dir=model_dir, tracer=self.tracer,
             )  # fmt: skip
-        elif params is not None:
+        else:
             workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed)
             self.runner = GroupRunner(
                 self.proxy,
                 workflow,
                 queue,
                 self.reward,
-                group_filter=group_filter,
-                scheduling=scheduling,
+                group_filter=FILTERS[rollout.filter_groups],
+                scheduling=rollout.scheduling,
                 tracer=self.tracer,
             )
 
     async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         """Start a wave of groups together, then report each as it completes (``GroupRunner``)."""
-        assert self.runner is not None, "worker built without sampling params"
         async for report in self.runner.run_groups(groups):
             yield report
 
     def abort_groups(self, group_ids: Sequence[int], reason: str) -> None:
         """Stop groups that became surplus; each reports itself discarded with ``reason``."""
-        assert self.runner is not None, "worker built without sampling params"
         self.runner.abort_groups(group_ids, reason)
 
     async def run_group(self, item: PromptItem, group_id: int) -> GroupReport:
-        assert self.runner is not None, "worker built without sampling params"
         return await self.runner.run_group(item, group_id)
 
     async def load_version(self, sync: WeightSync, version: int, mode: str) -> dict[str, float]:

@@ -1,0 +1,29 @@
+"""What ``run.mode`` implies for the other sections, checked on the raw config before validation.
+
+``run.mode: sync`` is the barrier schedule at η = 0 of the same workers as ``async``: it sets
+``rollout.max_staleness`` to 0 and refuses a staleness bound or ``rollout.forced_lag`` (both
+need overlap). Every other option means the same in both modes. Deliberately not here: the
+sections themselves (``config/models.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FALSE = (None, False, "false", "False")
+
+
+def sync_is_eta_zero(data: Any) -> Any:
+    """``data`` (a config mapping) with ``rollout.max_staleness: 0`` when ``run.mode`` is ``sync``;
+    a ``ValueError`` naming the field for an option that needs ``async``."""
+    if not isinstance(data, dict):
+        return data
+    run, rollout = data.get("run") or {}, data.get("rollout") or {}
+    mode = run.get("mode") if isinstance(run, dict) else getattr(run, "mode", None)
+    if mode != "sync" or not isinstance(rollout, dict):
+        return data
+    if rollout.get("max_staleness", 0) not in (0, "0"):
+        raise ValueError("rollout.max_staleness: run.mode=sync trains on-policy (η = 0); use run.mode=async")
+    if rollout.get("forced_lag") not in FALSE:
+        raise ValueError("rollout.forced_lag: holds an asynchronous trainer behind; needs run.mode=async")
+    return {**data, "rollout": {**rollout, "max_staleness": 0}}
