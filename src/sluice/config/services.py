@@ -49,8 +49,9 @@ class RewardConfig(_Section):
     name: Literal["exact_match", "math_verify", "code_exec"] | None = None
     """Reward function: ``null`` uses the task's own (or the one passed to ``RLTrainer``);
     ``exact_match`` (response equals the row's ``answer``), ``math_verify`` (mathematically equal
-    to ``answer``; needs ``pip install 'sluice[math]'``), ``code_exec`` (the response's Python
-    code plus the row's ``tests`` runs cleanly in the sandbox). See docs/rewards.md."""
+    to ``answer``; needs ``pip install 'sluice[math]'``), ``code_exec`` (the fraction of the row's
+    ``tests`` that the response's Python code passes, judged in a sandbox; the ``sandbox_*`` and
+    ``code_exec_scoring`` options). See docs/rewards.md."""
 
     pool_size: int = Field(default=2, ge=0)
     """Reward worker processes per rollout worker, so scoring never blocks generation. 0 runs
@@ -65,23 +66,51 @@ class RewardConfig(_Section):
     """Per-call reward timeout: a call still running is killed, counted as
     ``reward_timeout:<name>`` and its group discarded with that reason."""
 
+    sandbox_isolation: Literal["bwrap", "unshare"] = "bwrap"
+    """``code_exec``: how programs are walled in. ``bwrap``: a bubblewrap jail (every namespace
+    unshared, uid 65534 with no capabilities, a read-only root holding the Python standard library
+    only, a private ``/tmp``, pids and memory cgroups; ``make sandbox-deps`` installs it); where
+    bubblewrap cannot run, the run stops at start with ``SandboxUnavailable`` naming the cause.
+    ``unshare``: the weak mode, chosen by name: a private network namespace only (``unshare
+    -rn``), no filesystem jail, no process bound, signals reach the host's processes and even the
+    scoring can be forged; trusted code only. See docs/rewards.md."""
+
+    sandbox_processes: int = Field(default=64, ge=1, strict=True)
+    """``code_exec``: most processes (threads included) alive at once in one sandbox (a pids
+    cgroup; ``RLIMIT_NPROC`` does not bind root). Where no pids cgroup is writable, or in
+    ``unshare`` isolation, nothing bounds it before the wall-time kill."""
+
     sandbox_cpu_s: int = Field(default=5, ge=1)
-    """``code_exec``: CPU seconds a program may use (RLIMIT_CPU)."""
+    """``code_exec``: CPU seconds each process of a sandbox may use (``RLIMIT_CPU``: SIGXCPU,
+    then SIGKILL); the tests still running then fail."""
 
     sandbox_memory_mb: int = Field(default=512, ge=16)
-    """``code_exec``: address-space limit of a program in MiB (RLIMIT_AS)."""
+    """``code_exec``: memory of one sandbox in MiB: a memory cgroup over its whole process tree,
+    the address space of each process (``RLIMIT_AS``: an allocation past it raises
+    ``MemoryError``), and the size of its private ``/tmp``. A call runs two sandboxes (the
+    solution and the judge), each with this limit. Where no memory cgroup is writable, or in
+    ``unshare`` isolation, only the per-process ``RLIMIT_AS`` applies."""
 
     sandbox_wall_s: float = Field(default=10.0, gt=0.0)
-    """``code_exec``: wall-clock seconds before a program's whole session is killed (keep it
-    below ``timeout_s``)."""
+    """``code_exec``: wall-clock seconds for one call, its two sandboxes together (one deadline);
+    then every process of both is killed (in ``bwrap`` isolation ``setsid`` escapees too: the pid
+    namespace dies with its init) and the tests not yet reported fail. Must be below
+    ``timeout_s``."""
 
     sandbox_output_kb: int = Field(default=1024, ge=1)
-    """``code_exec``: largest stdout / stderr a program may write, in KiB (RLIMIT_FSIZE)."""
+    """``code_exec``: largest file a sandboxed process may write, in KiB (``RLIMIT_FSIZE``): its
+    stdout / stderr and files in its ``/tmp``."""
 
     sandbox_network: Literal["isolate", "allow"] = "isolate"
-    """``code_exec``: ``isolate`` runs programs in a private network namespace (``unshare -rn``;
-    the run stops with a clear error where the host forbids it); ``allow`` gives them the
-    host's network (trusted code only)."""
+    """``code_exec``: ``isolate`` gives each sandbox a network namespace of its own (a loopback of
+    its own, no other device: no TCP / UDP to anywhere, no abstract Unix socket of the host; in
+    ``unshare`` isolation this is ``unshare -rn``). ``allow`` shares the host's network, its
+    loopback and abstract Unix sockets included (trusted code only)."""
+
+    code_exec_scoring: Literal["fraction", "all"] = "fraction"
+    """``code_exec``: ``fraction`` scores tests passed / total (partial credit); ``all`` scores 1.0
+    only when every test passes, else 0.0. A test is each top-level statement of the row's
+    ``tests`` holding an ``assert``, and each ``test_*`` function."""
 
     @model_validator(mode="after")
     def _sandbox_inside_timeout(self) -> RewardConfig:

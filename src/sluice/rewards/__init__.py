@@ -15,27 +15,37 @@ from sluice.api import RewardFailure
 from sluice.rewards.code_exec import CodeExecReward
 from sluice.rewards.exact_match import exact_match_reward
 from sluice.rewards.math_answer import math_verify_reward
-from sluice.rewards.sandbox import SandboxLimits
+from sluice.rewards.sandbox import SandboxLimits, SandboxUnavailable, require_sandbox
 from sluice.rewards.service import RewardService, reward_name
 
 if TYPE_CHECKING:
-    from sluice.config.models import RewardConfig
+    from sluice.config.services import RewardConfig
 
 
 def sandbox_limits(cfg: RewardConfig) -> SandboxLimits:
+    """The ``reward.sandbox_*`` options as the sandbox's limits."""
     return SandboxLimits(
         cpu_s=cfg.sandbox_cpu_s,
         memory_mb=cfg.sandbox_memory_mb,
         wall_s=cfg.sandbox_wall_s,
         output_kb=cfg.sandbox_output_kb,
         network=cfg.sandbox_network,
+        processes=cfg.sandbox_processes,
+        isolation=cfg.sandbox_isolation,
     )
+
+
+def code_exec_reward(cfg: RewardConfig) -> CodeExecReward:
+    """``code_exec`` as configured; raises ``SandboxUnavailable`` where its sandbox cannot run here."""
+    limits = sandbox_limits(cfg)
+    require_sandbox(limits)
+    return CodeExecReward(limits, scoring=cfg.code_exec_scoring)
 
 
 REWARDS: dict[str, Callable[[RewardConfig], Callable[..., Any]]] = {
     "exact_match": lambda cfg: exact_match_reward,
     "math_verify": lambda cfg: math_verify_reward,
-    "code_exec": lambda cfg: CodeExecReward(sandbox_limits(cfg)),
+    "code_exec": code_exec_reward,
 }
 
 
@@ -59,7 +69,10 @@ __all__ = [
     "RewardFailure",
     "RewardService",
     "SandboxLimits",
+    "SandboxUnavailable",
     "build_reward_service",
+    "code_exec_reward",
     "exact_match_reward",
     "math_verify_reward",
+    "sandbox_limits",
 ]

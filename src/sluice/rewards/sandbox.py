@@ -17,9 +17,10 @@ One sandboxed program is one ``bwrap`` process tree (walls in ``jail.py``):
   dies with it and the kernel kills every process left in the namespace, ``setsid``
   escapees included; then every member of the cgroups is SIGKILLed.
 
-Where bubblewrap cannot run, ``run_sandboxed`` raises ``SandboxUnavailable`` unless the weaker
-mode was chosen by name, ``isolation="unshare"``: a private network namespace only (``unshare
--rn``), no filesystem jail, no process bound, signals reach the host's processes.
+Where bubblewrap cannot run, ``run_sandboxed`` raises ``SandboxUnavailable`` (``require_sandbox``
+checks up front) unless the weaker mode was chosen by name, ``isolation="unshare"``: a private
+network namespace only (``unshare -rn``), no filesystem jail, no process bound, signals reach the
+host's processes.
 
 What it does not do: it filters no system calls (no seccomp), so it relies on the kernel's
 namespace code; it does not score programs (``code_exec.py`` does).
@@ -155,12 +156,7 @@ def python_argv(script: str, args: list[str], limits: SandboxLimits, files: dict
         prefix = [] if limits.network == "allow" else _unshare_prefix()
         return [*prefix, "env", "-C", str(cwd), f"HOME={cwd}", f"TMPDIR={cwd}", sys.executable, "-I", "-S", "-c",
                 _LAUNCHER, *rlimits, script, *args]  # fmt: skip
-    problem = bwrap_problem()
-    if problem is not None:
-        raise SandboxUnavailable(
-            f"the code sandbox needs bubblewrap: {problem}; for trusted code only, choose the weaker "
-            "mode by name (SandboxLimits(isolation='unshare'))"
-        )
+    _require_bwrap()
     jail = bwrap_argv(files, share_net=limits.network == "allow", tmp_bytes=limits.memory_mb << 20)
     return [*jail, python_runtime().executable, "-I", "-S", "-c", _LAUNCHER, *rlimits, script, *args]
 
@@ -199,6 +195,25 @@ def check_limits(limits: SandboxLimits) -> None:
             raise ValueError(f"sandbox limit {name} must be positive, got {getattr(limits, name)!r}")
 
 
+def require_sandbox(limits: SandboxLimits) -> None:
+    """Raise now, with one clear line, where ``limits`` cannot be honoured on this host: bad
+    limits (``ValueError``), or an isolation that cannot run here (``SandboxUnavailable``)."""
+    check_limits(limits)
+    if limits.isolation == "bwrap":
+        _require_bwrap()
+    elif limits.network == "isolate":
+        _unshare_prefix()
+
+
+def _require_bwrap() -> None:
+    problem = bwrap_problem()
+    if problem is not None:
+        raise SandboxUnavailable(
+            f"the code sandbox needs bubblewrap: {problem}; for trusted code only, choose the weaker "
+            "mode by name (SandboxLimits(isolation='unshare'); config: reward.sandbox_isolation=unshare)"
+        )
+
+
 def output_tail(path: Path) -> str:
     data = path.read_bytes()
     return data[-OUTPUT_TAIL:].decode("utf-8", errors="replace")
@@ -208,7 +223,7 @@ def _unshare_prefix() -> list[str]:
     if not network_isolation_available():
         raise SandboxUnavailable(
             "the weaker 'unshare' sandbox needs unprivileged user namespaces (`unshare -rn true` fails "
-            "here); for trusted code only, set network='allow'"
+            "here); for trusted code only, set network='allow' (config: reward.sandbox_network=allow)"
         )
     return ["unshare", "--user", "--map-root-user", "--net"]
 
