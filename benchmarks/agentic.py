@@ -1,6 +1,6 @@
 """Agentic rollout benchmark: the real controller, LLMProxy and EnvRunner on SimEngine + SimEnv.
 
-Every row runs sluice's own ``AsyncController``, ``GroupLedger``, ``LLMProxy``, ``EnvRunner``
+Every row runs sluice's own ``Controller``, ``GroupLedger``, ``LLMProxy``, ``EnvRunner``
 (episode loops, environment-level async or barrier, redundant episodes, timeouts) and a local
 TransferQueue over a ``SimEngine`` replica and ``SimEnv`` environments (``sim.SimAgenticPipeline``),
 on the virtual clock: results are exact and reproducible, times are simulated seconds per
@@ -30,8 +30,8 @@ from typing import Any
 from harness.sim_agentic import SimAgenticPipeline
 from harness.sim_env import SimEnvConfig
 
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
+from sluice.controller.loop import Controller
 from sluice.controller.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
 
@@ -75,7 +75,7 @@ def run_variant(
     )
     redundant = (num_env_groups or groups) - groups
     ledger = GroupLedger(StalenessGate(groups, 0), redundant_groups=redundant)
-    controller = AsyncController(pipeline, ledger, groups)
+    controller = Controller(pipeline, ledger, groups)
     ends: list[float] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:

@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from sluice.pipeline import compile_dag, parse_dag
-from sluice.pipeline.loader import IndexPrompts
-from sluice.pipeline.runtime import MultiControllerRun, SingleControllerRun
-from sluice.pipeline.worker import RuntimeSettings
+from sluice.dag import compile_dag, parse_dag
+from sluice.dag.loader import IndexPrompts
+from sluice.dag.runtime import MultiControllerRun, SingleControllerRun
+from sluice.dag.worker import RuntimeSettings
 
 GROUPS, GROUP_SIZE = 16, 4
 OUT = Path(__file__).resolve().parent / "results" / "dag.json"

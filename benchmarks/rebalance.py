@@ -1,7 +1,7 @@
 """Dynamic rebalancing on simulated replicas: response lengths grow 4x mid-run; a fixed fleet of
 2 replicas vs the ``Rebalancer`` adding replicas through the real ``LLMProxy``.
 
-Every row drives sluice's ``AsyncController``, ledger, ``LLMProxy`` and ``GroupRunner`` over
+Every row drives sluice's ``Controller``, ledger, ``LLMProxy`` and ``GroupRunner`` over
 ``SimEngine`` replicas on the virtual clock (``harness/rebalance_run.py``), so the numbers are exact
 simulated seconds. Prints per-phase mean step times, writes JSON and a PNG of step time and
 replica count against the step.

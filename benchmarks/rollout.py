@@ -10,7 +10,7 @@ three in one process) or ``.venv-vllm`` exists (then it runs once there, in a su
 with a message otherwise. Target: built-in ≥ 2× static HF generate. Wall-clock tokens/s, each
 engine timed ``--repeats`` times in turn (median): compare the ratios inside one run.
 
-Part (b): every variant runs sluice's own ``AsyncController``,
+Part (b): every variant runs sluice's own ``Controller``,
 ``GroupLedger``, ``LLMProxy``, ``GroupRunner`` (queue / batch scheduling, dynamic filter,
 redundant groups) and the single-turn workflow, over ``SimEngine`` replicas and a simulated
 trainer (``sim.SimPipeline``), on the virtual clock: results are exact and reproducible, and
@@ -51,8 +51,8 @@ from typing import Any
 from harness.engine_runs import long_tail_requests, run_builtin, run_hf_generate, run_vllm, throughput_row
 
 from sluice.api import LengthPredictor, PromptItem
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
+from sluice.controller.loop import Controller
 from sluice.controller.staleness import StalenessGate
 from sluice.rollout.filters import zero_signal
 from sluice.rollout.length_ranker import OnlineLengthRanker, top_share_recall
@@ -121,7 +121,7 @@ def run_variant(
         long_tail=long_tail,
     )
     ledger = GroupLedger(StalenessGate(prompts_per_step, eta), redundant_groups=redundant)
-    controller = AsyncController(pipeline, ledger, prompts_per_step)
+    controller = Controller(pipeline, ledger, prompts_per_step)
     ends: list[float] = []
     exposed: list[float] = []
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice.api import Batch, RowMeta, Sample
-from sluice.pipeline.functions import NodeContext, apply_node, resolve_function
-from sluice.pipeline.planner import Plan
-from sluice.pipeline.spec import DagError
+from sluice.dag.functions import NodeContext, apply_node, resolve_function
+from sluice.dag.planner import Plan
+from sluice.dag.spec import DagError
 from sluice.queue.samples import samples_to_rows
 
 

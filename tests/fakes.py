@@ -189,7 +189,7 @@ def length_reward(response: str, **_: Any) -> float:
 
 
 class FakePipeline:
-    """An ``AsyncPipeline`` whose rollouts sleep for a scripted latency (seconds) per group.
+    """An ``Pipeline`` whose rollouts sleep for a scripted latency (seconds) per group.
 
     ``latency(group_id)`` and ``discard(group_id)`` script each group; a group's version is the
     engine version when its wave started. ``steps`` records the group ids each step trained;

@@ -4,7 +4,7 @@ with simulated engines, environments and trainer.
 The rollout side is the product code — ``LLMProxy`` over ``SimEngine`` replicas, ``EnvRunner``
 (environment-level async or barrier, redundant episodes per group, timeouts), the episode loop
 and a local TransferQueue — over ``SimEnv`` instances; the trainer only spends simulated time
-(``SimPipeline``'s). Driven by the real ``AsyncController`` with ``redundant_groups`` it also
+(``SimPipeline``'s). Driven by the real ``Controller`` with ``redundant_groups`` it also
 runs redundant env groups (``num_env_groups``). Run it on ``sim.clock.run_virtual``.
 """
 

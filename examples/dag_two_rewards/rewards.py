@@ -5,7 +5,7 @@ and returns the columns it writes, one value per row.
 """
 
 from sluice.api import Batch
-from sluice.pipeline.functions import NodeContext
+from sluice.dag.functions import NodeContext
 
 
 def length_penalty(ctx: NodeContext, rows: Batch) -> dict[str, list[float]]:

@@ -150,7 +150,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _plan_dag(args: argparse.Namespace) -> int:
-    from sluice.pipeline import compile_dag, load_dag
+    from sluice.dag import compile_dag, load_dag
 
     print(compile_dag(load_dag(args.file), args.placement).render())
     return 0
@@ -163,8 +163,8 @@ def _config_reference() -> str:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from sluice.dag.spec import DagError
     from sluice.engines.hf_model import ModelPathError
-    from sluice.pipeline.spec import DagError
     from sluice.tasks.dataset import DatasetError
 
     return (ConfigError, DatasetError, ModelPathError, DagError)

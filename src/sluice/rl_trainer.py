@@ -36,9 +36,9 @@ from sluice.controller.resume import open_checkpoints
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
 from sluice.controller.training import run_training
+from sluice.dag.run_dag import place_dag, plan_for_run
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
-from sluice.pipeline.run_dag import place_dag, plan_for_run
 from sluice.rewards import build_reward_service
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate

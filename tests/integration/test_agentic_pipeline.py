@@ -25,16 +25,16 @@ def calculator_model(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
-def test_calculator_episodes_train_through_the_pipeline(calculator_model, tmp_path, backend, request):
+@pytest.mark.parametrize(("mode", "backend"), [("async", "local"), ("async", "ray"), ("sync", "local")])
+def test_calculator_episodes_train_through_the_pipeline(calculator_model, tmp_path, mode, backend, request):
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     options = [
-        "task.name=calculator", "run.mode=async", f"run.backend={backend}", "agentic.max_turns=3",
+        "task.name=calculator", f"run.mode={mode}", f"run.backend={backend}", "agentic.max_turns=3",
         "agentic.turn_tokens=6", "agentic.group_redundancy=1", "agentic.num_env_groups=5",
         "rollout.max_batch=16", "trainer.micro_batch_tokens=256",
     ]  # fmt: skip
-    cfg = load_config(None, [*tiny_run_overrides(calculator_model, tmp_path, f"calc-{backend}"), *options])
+    cfg = load_config(None, [*tiny_run_overrides(calculator_model, tmp_path, f"calc-{mode}-{backend}"), *options])
     result = RLTrainer(cfg).fit()
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     fates = next(r for r in records if r["kind"] == "fates")
@@ -44,6 +44,8 @@ def test_calculator_episodes_train_through_the_pipeline(calculator_model, tmp_pa
     assert weights["engine_checksum"] == weights["trainer_checksum"]
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 3 and all(r["response_len_mean"] > 0 for r in train)
+    if mode == "sync":  # the barrier: every episode of a step ended before it trained
+        assert all(r["trained_before_generated"] == 0.0 and r["staleness_max"] == 0 for r in train)
     episodes = next(r for r in records if r["kind"] == "episodes")
     assert episodes["env_episodes_kept"] >= 12 * 4  # 4 per group (group_size), redundant ones aside
     assert episodes["env_episodes_started"] >= 12 * 5

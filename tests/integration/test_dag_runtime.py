@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.pipeline import compile_dag, parse_dag
-from sluice.pipeline.loader import IndexPrompts
-from sluice.pipeline.runtime import MultiControllerRun, SingleControllerRun
-from sluice.pipeline.worker import RuntimeSettings
+from sluice.dag import compile_dag, parse_dag
+from sluice.dag.loader import IndexPrompts
+from sluice.dag.runtime import MultiControllerRun, SingleControllerRun
+from sluice.dag.worker import RuntimeSettings
 
 pytestmark = pytest.mark.integration
 
@@ -94,8 +94,8 @@ def test_the_gate_answers_same_node_workers_over_its_socket(ray_cluster):
 
     import ray
 
-    from sluice.pipeline.gate import ServedGate
-    from sluice.pipeline.peer import Peer
+    from sluice.dag.gate import ServedGate
+    from sluice.dag.peer import Peer
 
     gate = ray.remote(ServedGate).options(num_cpus=0, max_concurrency=8).remote(2, 0, 2, 1)
     try:

@@ -31,7 +31,7 @@ RUNS = {
 }
 
 
-def _numbers(model_dir: Path, out: Path, name: str) -> dict[str, object]:
+def _numbers(model_dir: Path, out: Path, name: str) -> tuple[dict[str, object], list[dict[str, object]]]:
     overrides = [
         *tiny_run_overrides(model_dir, out, name),
         "rollout.max_new_tokens=12",
@@ -44,7 +44,7 @@ def _numbers(model_dir: Path, out: Path, name: str) -> dict[str, object]:
     steps = [{k: r[k] for k in ("step", *KEYS)} for r in records if r["kind"] == "train"]
     weights = load_causal_lm(result.final_model_dir).state_dict()
     checksum = math.fsum(float(t.double().abs().sum()) for t in weights.values())
-    return {"steps": steps, "weight_abs_sum": checksum}
+    return {"steps": steps, "weight_abs_sum": checksum}, records
 
 
 def _close(got: float, want: float) -> bool:
@@ -55,7 +55,7 @@ def _close(got: float, want: float) -> bool:
 def test_golden_losses(tiny_task_model, tmp_path, name, request):
     if "run.backend=local" not in RUNS[name]:  # Ray is the default backend of both modes
         request.getfixturevalue("ray_cluster")
-    got = _numbers(tiny_task_model, tmp_path, name)
+    got, records = _numbers(tiny_task_model, tmp_path, name)
     if os.environ.get("SLUICE_WRITE_GOLDEN"):
         pinned = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
         GOLDEN.write_text(json.dumps({**pinned, name: got}, indent=1) + "\n")
@@ -65,3 +65,21 @@ def test_golden_losses(tiny_task_model, tmp_path, name, request):
         for key in KEYS:
             assert _close(g[key], w[key]), f"{name} step {w['step']}: {key} {g[key]!r} != pinned {w[key]!r}"
     assert _close(got["weight_abs_sum"], want["weight_abs_sum"]), f"{name}: final weights moved"
+    _schedule_holds(name, records)
+    assert (tmp_path / name / "trace.json").is_file()
+
+
+def _schedule_holds(name: str, records: list[dict]) -> None:
+    """What each schedule promises besides its numbers: sync never overlaps; η = 0 streams (the
+    trainer starts a step before its last group is generated) and syncs weights in the background."""
+    trains = [r for r in records if r["kind"] == "train"]
+    assert all(r["staleness_max"] == 0 for r in trains)
+    if name == "sync":
+        assert all(r["trained_before_generated"] == 0.0 and r["engine_version"] == r["step"] for r in trains)
+    else:
+        assert any(r["trained_before_generated"] == 1.0 for r in trains), "the trainer never overlapped generation"
+        assert all(r["step"] - 1 <= r["engine_version"] <= r["step"] for r in trains)
+    weights = next(r for r in records if r["kind"] == "weights")  # read back from each worker
+    assert weights["engine_version"] == weights["trainer_version"] == 3
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
+    assert next(r for r in records if r["kind"] == "fates")["groups_trained"] == 3 * 4

@@ -13,7 +13,6 @@ from test_trainer_worker import _groups
 
 from fakes import FakePipeline
 from sluice.api import RowMeta
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.checkpoint import (
     COMPLETE,
     DRIVER_STATE,
@@ -27,6 +26,7 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.loop import Controller
 from sluice.controller.resume import capture_cut
 from sluice.controller.staleness import StalenessGate
 from sluice.queue import LocalQueue
@@ -155,7 +155,7 @@ def test_controller_cut_then_resume_trains_every_admitted_group_exactly_once():
 
     gate = StalenessGate(4, 2)
     first = FakePipeline(slow_tail)
-    controller = AsyncController(first, GroupLedger(gate), 4)
+    controller = Controller(first, GroupLedger(gate), 4)
     cuts = []
 
     async def stop_at_4(version, chosen, metrics):
@@ -170,7 +170,7 @@ def test_controller_cut_then_resume_trains_every_admitted_group_exactly_once():
     assert [gid for _, gid in cut.regenerate] == [18, 19]
     second = FakePipeline(slow_tail)
     second.engine_version = second.trainer_version = 4
-    resumed = AsyncController(second, GroupLedger(gate), 4)
+    resumed = Controller(second, GroupLedger(gate), 4)
 
     async def resume_and_run():
         resumed.resume(cut.ledger, cut.reports, cut.next_group, cut.regenerate)

@@ -13,10 +13,10 @@ import torch
 
 from chain import ColocatedChain
 from sluice.api import Sample
+from sluice.dag import compile_dag, load_dag
+from sluice.dag.model_nodes import ModelBindings
 from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_train import HFTrainEngine
-from sluice.pipeline import compile_dag, load_dag
-from sluice.pipeline.model_nodes import ModelBindings
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import ppo_critic_step
 from sluice.trainer.reference import frozen_engine

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from sluice.api import Batch, RowMeta
-from sluice.pipeline.gate import AdmissionGate
-from sluice.pipeline.loader import IndexPrompts, ShardLoader, shard_range
-from sluice.pipeline.transport import DriverTransport, payload_bytes
+from sluice.dag.gate import AdmissionGate
+from sluice.dag.loader import IndexPrompts, ShardLoader, shard_range
+from sluice.dag.transport import DriverTransport, payload_bytes
 from sluice.queue.packed import PackedColumn, offsets_of
 
 
@@ -74,9 +74,9 @@ def test_transport_counts_column_payloads_as_sample_bytes_and_control_as_not():
 
 
 def test_synthetic_rows_are_position_plus_row_mod_vocab_and_checksums_read_every_token():
-    from sluice.pipeline.compute_nodes import VOCAB, synthetic_generate, token_checksum
-    from sluice.pipeline.functions import NodeContext
-    from sluice.pipeline.spec import DagNode
+    from sluice.dag.compute_nodes import VOCAB, synthetic_generate, token_checksum
+    from sluice.dag.functions import NodeContext
+    from sluice.dag.spec import DagNode
 
     gen = DagNode(id="gen", role="rollout", type="generate", reads=("prompt",), writes=("tokens", "reward"),
                   function="synthetic_generate", options={"group_size": 2, "tokens": 300})  # fmt: skip

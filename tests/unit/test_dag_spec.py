@@ -11,8 +11,8 @@ import pytest
 
 from sluice.cli import main
 from sluice.config import ConfigError, load_config
-from sluice.pipeline import BUILTIN_DAGS, DagError, compile_dag, load_dag, parse_dag
-from sluice.pipeline.run_dag import default_dag, place_dag, plan_for_run
+from sluice.dag import BUILTIN_DAGS, DagError, compile_dag, load_dag, parse_dag
+from sluice.dag.run_dag import default_dag, place_dag, plan_for_run
 
 SAMPLE = ["uid", "prompt_ids", "response_ids", "behav_logprobs", "token_versions", "loss_mask", "reward", "meta"]
 
@@ -73,9 +73,9 @@ def test_unknown_function_names_the_node_and_import_paths_resolve():
     assert "node 'score': unknown function 'no_such_function'" in _error(raw)
     raw["nodes"][3]["function"] = "sluice.nowhere:fn"
     assert "node 'score': function 'sluice.nowhere:fn': cannot import" in _error(raw)
-    raw["nodes"][3]["function"] = "sluice.pipeline.compute_nodes:nothing"
+    raw["nodes"][3]["function"] = "sluice.dag.compute_nodes:nothing"
     assert "node 'score': unknown function" in _error(raw)
-    raw["nodes"][3]["function"] = "sluice.pipeline.compute_nodes:weighted_sum"  # an import path is fine
+    raw["nodes"][3]["function"] = "sluice.dag.compute_nodes:weighted_sum"  # an import path is fine
     compile_dag(parse_dag(raw))
 
 

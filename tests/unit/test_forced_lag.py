@@ -13,15 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fakes import FakePipeline
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
+from sluice.controller.loop import Controller
 from sluice.controller.staleness import StalenessGate
 
 
 def _run(eta, forced_lag, groups_per_step=4, steps=10, slots=4):
     pipe = FakePipeline(lambda gid: 0.002 + 0.001 * (gid % 3), slots=slots)
     ledger = GroupLedger(StalenessGate(groups_per_step, eta, forced_lag))
-    controller = AsyncController(pipe, ledger, groups_per_step)
+    controller = Controller(pipe, ledger, groups_per_step)
 
     async def after_step(version, chosen, metrics):
         return True

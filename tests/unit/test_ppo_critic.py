@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from sluice.api import Sample
+from sluice.dag.node_worker import NodeTaskWorker
+from sluice.dag.spec import load_dag
 from sluice.engines.critic import CriticEngine, clipped_value_loss
 from sluice.engines.hf_train import HFTrainEngine
-from sluice.pipeline.node_worker import NodeTaskWorker
-from sluice.pipeline.spec import load_dag
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.trainer.algorithm import GRPOAlgorithm

@@ -14,9 +14,9 @@ import torch
 from loss_cases import run_loss
 from sluice.api import Sample
 from sluice.api.types import LossInputs, LossOutputs
+from sluice.dag.node_worker import NodeTaskWorker
+from sluice.dag.spec import load_dag
 from sluice.engines.hf_train import HFTrainEngine, token_entropy
-from sluice.pipeline.node_worker import NodeTaskWorker
-from sluice.pipeline.spec import load_dag
 from sluice.queue import LocalQueue
 from sluice.queue.samples import REF_COLUMN, rows_to_samples, samples_to_rows, train_columns
 from sluice.trainer.algorithm import GRPOAlgorithm

@@ -1,12 +1,12 @@
-"""SimPipeline under the real AsyncController on the virtual clock: the staleness bound holds
+"""SimPipeline under the real Controller on the virtual clock: the staleness bound holds
 with redundant groups and each weight mode; staggered updates never stall every replica."""
 
 from __future__ import annotations
 
 import pytest
 
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
+from sluice.controller.loop import Controller
 from sluice.controller.staleness import StalenessGate
 from sluice.rollout.filters import zero_signal
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
@@ -24,7 +24,7 @@ def _run(mode: str, redundant: int, eta: int = 1, steps: int = 6):
         reward=SimReward(0.1), group_filter=zero_signal,
     )  # fmt: skip
     ledger = GroupLedger(StalenessGate(4, eta), redundant_groups=redundant)
-    controller = AsyncController(pipeline, ledger, 4)
+    controller = Controller(pipeline, ledger, 4)
 
     async def after_step(version, chosen, metrics):
         return True

@@ -24,7 +24,7 @@ from sluice.controller.pipelines import (
     wait_engine_version,
     weight_syncs,
 )
-from sluice.pipeline.node_worker import NodeTaskWorker
+from sluice.dag.node_worker import NodeTaskWorker
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream

@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 from sluice.api import GroupReport, PromptItem
 from sluice.config import SluiceConfig
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.checkpoint import (
     TRAINER_DIR,
     CheckpointError,
@@ -38,6 +37,7 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.loop import Controller
 from sluice.controller.run_state import LOGS, TrainingRun
 from sluice.rollout.evaluate import EvalResult
 from sluice.trainer.rng_state import capture_rng, restore_rng
@@ -105,7 +105,7 @@ def open_checkpoints(config: SluiceConfig, run_dir: Path) -> tuple[CheckpointSto
 
 
 async def save_checkpoint(
-    run: TrainingRun, controller: AsyncController, pipeline: CheckpointedPipeline, version: int
+    run: TrainingRun, controller: Controller, pipeline: CheckpointedPipeline, version: int
 ) -> Path:
     """Between steps: the cut first (synchronous, so consistent), then the trainer's state and
     the queue, while generation goes on."""
@@ -131,12 +131,12 @@ async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, s
     return state.base_eval
 
 
-def resume_controller(controller: AsyncController, state: DriverState) -> None:
+def resume_controller(controller: Controller, state: DriverState) -> None:
     cut = state.cut
     controller.resume(copy.deepcopy(cut.ledger), cut.reports, cut.next_group, cut.regenerate)
 
 
-def capture_cut(controller: AsyncController) -> AsyncCut:
+def capture_cut(controller: Controller) -> AsyncCut:
     """The controller's books now, deep-copied (the run goes on while the checkpoint is written)."""
     ledger = copy.deepcopy(controller.ledger)
     open_groups = {gid: g for gid, g in ledger.groups.items() if g.state is GroupState.OPEN}

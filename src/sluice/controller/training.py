@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 
 from sluice.config import SluiceConfig
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
+from sluice.controller.loop import Controller
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.resume import DriverState, restore_checkpoint, resume_controller, save_checkpoint
@@ -63,7 +63,7 @@ async def run_training(
         env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
         ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
         barrier = cfg.run.mode == "sync"
-        controller = AsyncController(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier)
+        controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier)
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
@@ -91,7 +91,7 @@ async def run_training(
 
 
 async def _log_run_end(
-    run: TrainingRun, controller: AsyncController, pipeline: LocalPipeline | RayPipeline, spec: PipelineSpec
+    run: TrainingRun, controller: Controller, pipeline: LocalPipeline | RayPipeline, spec: PipelineSpec
 ) -> None:
     """The workers' end-of-run numbers: weight fingerprints, engine and reward counters, trace."""
     (t_version, t_sum), (e_version, e_sum) = await pipeline.fingerprints()
@@ -114,9 +114,7 @@ async def _log_run_end(
         run.metrics.log("trace", **trace_numbers(events))
 
 
-def step_stats(
-    controller: AsyncController, chosen: list[int], version: int, metrics: dict[str, float]
-) -> dict[str, float]:
+def step_stats(controller: Controller, chosen: list[int], version: int, metrics: dict[str, float]) -> dict[str, float]:
     """Rollout statistics of the groups a step trained, from their reports (no sample data).
 
     ``trained_before_generated`` is 1 when the trainer's first micro-batch of the step started

@@ -10,7 +10,7 @@ loss tokens (PPO's value clipping keeps the critic near the values the advantage
 computed with), in length-sorted padded chunks of at most ``token_budget`` positions (as the
 actor's ``padded`` layout) with one AdamW step. ``values`` runs each prompt group on its own,
 so a sample's values do not depend on which other groups share the call: the critic-values
-queue task (``pipeline/node_worker.py``) sees rows as they arrive and must give the values a
+queue task (``dag/node_worker.py``) sees rows as they arrive and must give the values a
 whole-batch call gives. ``export_weights`` / ``load_weights`` carry the critic from the
 trainer, which updates it, to that task's worker.
 

@@ -3,7 +3,7 @@
 Everything on the rollout side is the product code — ``LLMProxy`` over ``SimEngine`` replicas,
 ``GroupRunner`` (queue or batch scheduling, dynamic filter, abort of surplus groups), the
 single-turn workflow and a local TransferQueue — so a benchmark or the planner driving it with
-the real ``AsyncController`` measures sluice's own scheduling. The trainer only spends simulated
+the real ``Controller`` measures sluice's own scheduling. The trainer only spends simulated
 time (per streamed sample, plus an optimizer step) and drops the rows it "trained"; weights are
 version numbers. Run it on ``sim.clock.run_virtual`` for exact, instant results.
 """
@@ -41,7 +41,7 @@ class SimTrainerConfig:
 
 
 class SimPipeline:
-    """An ``AsyncPipeline`` over simulated replicas (see the module docstring)."""
+    """An ``Pipeline`` over simulated replicas (see the module docstring)."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Discrete-event simulation of the whole pipeline: ``simulate(SimConfig) -> SimResult``.
 
-The events are the real code's: sluice's ``AsyncController`` and ``GroupLedger`` (admission under
+The events are the real code's: sluice's ``Controller`` and ``GroupLedger`` (admission under
 η, oldest-first consumption, surplus aborts), the ``LLMProxy``, ``GroupRunner`` and TransferQueue
 run over ``SimEngine`` replicas (long-tailed lengths, continuous batching under a concurrency
 cap, prefill, weight loads by interrupt / defer / staggered) on ``run_virtual``'s clock, which
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sluice.api import GroupReport, PromptItem
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger
+from sluice.controller.loop import Controller
 from sluice.controller.staleness import StalenessGate
 from sluice.sim.clock import run_virtual
 from sluice.sim.contention import SharedDevice
@@ -250,7 +250,7 @@ def simulate(config: SimConfig, on_step: StepHook | None = None) -> SimResult:
     )
     pipeline.rollout_recorder = rollout
     ledger = GroupLedger(StalenessGate(config.prompts_per_step, config.staleness))
-    controller = AsyncController(pipeline, ledger, config.prompts_per_step)
+    controller = Controller(pipeline, ledger, config.prompts_per_step)
     ends: list[float] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:

@@ -12,7 +12,7 @@ clipped around the values the advantages came from. The policy version advances 
 ``ppo_critic_step`` takes the values from the critic itself (``mode: sync``, where every model
 lives in one process) or as given, which is how the asynchronous pipeline's trainer runs it:
 there the values are a queue column written by the critic-values task
-(``pipeline/node_worker.py``) with the newest critic the trainer has published.
+(``dag/node_worker.py``) with the newest critic the trainer has published.
 
 Deliberately not here: the models (``engines/critic.py``, ``engines/hf_train.py``) and serving
 the values task.

@@ -1,7 +1,7 @@
 """The frozen reference policy (the initial model) that the KL term's log-probs come from.
 
 The reference log-probs themselves are one DAG node (``reference_logprobs`` in
-``pipeline/model_nodes.py``) served by a ``NodeTaskWorker`` beside rollout and training, which
+``dag/model_nodes.py``) served by a ``NodeTaskWorker`` beside rollout and training, which
 builds its engine here. Deliberately not here: the KL estimators and how the KL enters the
 objective (``trainer/losses/regularizers.py``), choosing which rows to train.
 """

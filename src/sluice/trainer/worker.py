@@ -13,7 +13,7 @@ handed to them, told each group's place in the step, and sum gradients before ev
 update (``trainer/data_parallel.py``); rank 0 publishes. With a critic (``algorithm: ppo``) the
 rows also carry the critic-values task's ``values`` column, and the step trains the actor, then
 the critic (``trainer/ppo.py``), and publishes the critic before the policy
-(the critic-values node worker, ``pipeline/node_worker.py``, loads it). It does not choose groups.
+(the critic-values node worker, ``dag/node_worker.py``, loads it). It does not choose groups.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.api import Batch, RowMeta
-from sluice.pipeline.gate import ServedGate
-from sluice.pipeline.planner import Plan, WorkerGroup
-from sluice.pipeline.transport import DriverBytes, DriverTransport
-from sluice.pipeline.worker import WARM_SPAN, DagWorker, RuntimeSettings
+from sluice.dag.gate import ServedGate
+from sluice.dag.planner import Plan, WorkerGroup
+from sluice.dag.transport import DriverBytes, DriverTransport
+from sluice.dag.worker import WARM_SPAN, DagWorker, RuntimeSettings
 
 WARM_PARTITIONS = 1 << 40
 """Partition ids from here on carry ``ready``'s warm-up rows (no step ever reads them)."""
@@ -133,7 +133,7 @@ class SingleControllerRun(_Run):
         """Ray's by-value path to and from each worker, with a buffer as big as a warm-up row."""
         import numpy as np
 
-        from sluice.pipeline.worker import WARM_ROW_BYTES
+        from sluice.dag.worker import WARM_ROW_BYTES
 
         t = self.transport
         payload = np.zeros(WARM_ROW_BYTES, dtype=np.uint8)

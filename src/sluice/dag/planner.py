@@ -15,8 +15,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Literal
 
-from sluice.pipeline.graph import DagGraph, longest_path_depths
-from sluice.pipeline.spec import DagSpec
+from sluice.dag.graph import DagGraph, longest_path_depths
+from sluice.dag.spec import DagSpec
 
 Placement = Literal["colocated", "disaggregated"]
 PLACEMENTS: tuple[Placement, ...] = ("colocated", "disaggregated")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sluice.pipeline.functions import resolve_function
-from sluice.pipeline.spec import DagError, DagNode, DagSpec
+from sluice.dag.functions import resolve_function
+from sluice.dag.spec import DagError, DagNode, DagSpec
 
 
 @dataclass(frozen=True)

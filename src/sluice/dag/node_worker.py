@@ -4,7 +4,7 @@ DESIGN.md's stages after generation are tasks that read some columns and write o
 ``NodeTaskWorker`` serves one node's TransferQueue task in every mode and placement (a thread
 with ``run.backend: local``, a Ray actor on ``ray``): ``serve`` pulls rows whose ``node.reads``
 are ready (as soon as rollout or an earlier node has written them, a few at a time), applies the
-node's function (``pipeline/functions.py``: a built-in such as ``reference_logprobs`` or
+node's function (``dag/functions.py``: a built-in such as ``reference_logprobs`` or
 ``critic_values``, or a user function) to them in ascending row order, and writes
 ``node.writes`` back to the same rows, which makes them ready for the tasks that read those
 columns. It stops when the queue closes.
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from sluice.api import Batch, QueueClient, WeightSync
-from sluice.pipeline.functions import NodeContext, apply_node, resolve_function
-from sluice.pipeline.model_nodes import ModelBindings
-from sluice.pipeline.spec import DagError, DagNode
+from sluice.dag.functions import NodeContext, apply_node, resolve_function
+from sluice.dag.model_nodes import ModelBindings
+from sluice.dag.spec import DagError, DagNode
 from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.reference import frozen_engine
 

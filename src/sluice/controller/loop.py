@@ -1,5 +1,4 @@
-"""The asynchronous streaming loop (``run.mode: async``): admission, rollout, training and weight
-sync run concurrently under the staleness bound η, and samples stream through the TransferQueue.
+"""The training loop of both modes: admission, rollout, training and weight sync over one pipeline.
 
 It reads as the algorithm; the ledger keeps the books, the pipeline does the work:
 
@@ -10,8 +9,11 @@ It reads as the algorithm; the ledger keeps the books, the pipeline does the wor
       into the trainer → optimizer step (v → v+1) → weight sync to the engines (in the
       background; admission opens for v+1 once the engines hold it)
 
-The driver only moves group ids, versions and counters; sample data goes rollout → queue →
-trainer directly. At η = 0 it performs exactly the sync loop's computation.
+``run.mode: async`` runs those concurrently under the staleness bound η, samples streaming
+through the TransferQueue. ``run.mode: sync`` is the same loop with ``barrier=True`` at η = 0:
+a step trains only once none of its groups is generating, and the engines load v + 1 before the
+step is reported. The driver only moves group ids, versions and counters; sample data goes
+rollout → queue → trainer directly. Both schedules compute the same steps (the golden-loss test).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sluice.api import GroupReport, PromptItem
 from sluice.controller.ledger import GroupLedger
 
 
-class AsyncPipeline(Protocol):
+class Pipeline(Protocol):
     """What the asynchronous loop drives (``controller/pipelines.py`` builds local and Ray ones)."""
 
     engine_version: int
@@ -55,12 +57,10 @@ class AsyncPipeline(Protocol):
 StepCallback = Callable[[int, list[int], dict[str, float]], Awaitable[bool]]
 
 
-class AsyncController:
-    """Runs ``steps`` training steps of ``groups_per_step`` groups over an ``AsyncPipeline``."""
+class Controller:
+    """Runs ``steps`` training steps of ``groups_per_step`` groups over an ``Pipeline``."""
 
-    def __init__(
-        self, pipeline: AsyncPipeline, ledger: GroupLedger, groups_per_step: int, *, barrier: bool = False
-    ) -> None:
+    def __init__(self, pipeline: Pipeline, ledger: GroupLedger, groups_per_step: int, *, barrier: bool = False) -> None:
         self.pipeline = pipeline
         self.barrier = barrier
         """The ``sync`` schedule: a step trains only once no group is generating, and the engines

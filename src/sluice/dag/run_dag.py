@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.config import ConfigError
-from sluice.pipeline.planner import Plan, compile_dag
-from sluice.pipeline.spec import DagError, DagNode, load_dag
+from sluice.dag.planner import Plan, compile_dag
+from sluice.dag.spec import DagError, DagNode, load_dag
 
 CRITIC_FUNCTIONS = frozenset({"critic_values", "gae_advantages", "critic_update"})
 TRAINER_FUNCTIONS = frozenset({"group_advantages", "gae_advantages", "actor_update", "critic_update"})

@@ -21,21 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from sluice.api import Batch
-from sluice.pipeline.spec import DagError, DagNode
+from sluice.dag.spec import DagError, DagNode
 
 NodeFunction = Callable[["NodeContext", Batch], Mapping[str, Sequence[Any]]]
 
 NODE_FUNCTIONS: dict[str, str] = {
-    "rollout": "sluice.pipeline.model_nodes:rollout",
-    "reference_logprobs": "sluice.pipeline.model_nodes:reference_logprobs",
-    "group_advantages": "sluice.pipeline.model_nodes:group_advantages",
-    "critic_values": "sluice.pipeline.model_nodes:critic_values",
-    "gae_advantages": "sluice.pipeline.model_nodes:gae_advantages",
-    "actor_update": "sluice.pipeline.model_nodes:actor_update",
-    "critic_update": "sluice.pipeline.model_nodes:critic_update",
-    "weighted_sum": "sluice.pipeline.compute_nodes:weighted_sum",
-    "synthetic_generate": "sluice.pipeline.compute_nodes:synthetic_generate",
-    "token_checksum": "sluice.pipeline.compute_nodes:token_checksum",
+    "rollout": "sluice.dag.model_nodes:rollout",
+    "reference_logprobs": "sluice.dag.model_nodes:reference_logprobs",
+    "group_advantages": "sluice.dag.model_nodes:group_advantages",
+    "critic_values": "sluice.dag.model_nodes:critic_values",
+    "gae_advantages": "sluice.dag.model_nodes:gae_advantages",
+    "actor_update": "sluice.dag.model_nodes:actor_update",
+    "critic_update": "sluice.dag.model_nodes:critic_update",
+    "weighted_sum": "sluice.dag.compute_nodes:weighted_sum",
+    "synthetic_generate": "sluice.dag.compute_nodes:synthetic_generate",
+    "token_checksum": "sluice.dag.compute_nodes:token_checksum",
 }
 """Built-in functions by name (the ``function:`` of a node), as ``module:attribute`` paths."""
 

@@ -10,14 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fakes import FakePipeline
-from sluice.controller.async_loop import AsyncController
 from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.loop import Controller
 from sluice.controller.staleness import StalenessGate
 
 
 def _run(pipeline, eta, groups_per_step=4, steps=8, redundant=0):
     ledger = GroupLedger(StalenessGate(groups_per_step, eta), redundant_groups=redundant)
-    controller = AsyncController(pipeline, ledger, groups_per_step)
+    controller = Controller(pipeline, ledger, groups_per_step)
 
     async def after_step(version, chosen, metrics):
         return True

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from sluice.api import Batch
-from sluice.pipeline.functions import NodeContext
-from sluice.pipeline.spec import DagError
+from sluice.dag.functions import NodeContext
+from sluice.dag.spec import DagError
 from sluice.queue.packed import PackedColumn, offsets_of
 
 

@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from sluice.controller.staleness import StalenessGate
-from sluice.pipeline.peer import endpoint_of
+from sluice.dag.peer import endpoint_of
 
 
 class AdmissionGate:

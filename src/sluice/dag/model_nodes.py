@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.api import Batch, PromptItem, Sample
-from sluice.pipeline.functions import NodeContext
-from sluice.pipeline.spec import DagError
+from sluice.dag.functions import NodeContext
+from sluice.dag.spec import DagError
 from sluice.queue.samples import SAMPLE_COLUMNS, rows_to_samples, samples_to_rows
 
 

@@ -23,7 +23,7 @@ Role = Literal["actor", "critic", "reference", "reward", "rollout", "custom"]
 NodeType = Literal["generate", "model_inference", "model_train", "compute"]
 
 BUILTIN_DAGS = ("grpo", "grpo_kl", "ppo", "ppo_kl")
-"""DAG files shipped in ``sluice/pipeline/dags/``; ``run.dag`` names one of them or a path."""
+"""DAG files shipped in ``sluice/dag/builtin/``; ``run.dag`` names one of them or a path."""
 
 
 class DagError(ValueError):
@@ -67,7 +67,7 @@ class DagNode(Section):
     """Extra ordering edges to other node ids, beyond those the columns imply."""
 
     function: str
-    """What the node runs: a built-in name (``sluice.pipeline.functions.NODE_FUNCTIONS``), an
+    """What the node runs: a built-in name (``sluice.dag.functions.NODE_FUNCTIONS``), an
     import path ``package.module:name`` or a file ``path/to/file.py:name`` (relative to the DAG
     file) of a function ``(ctx, rows) -> columns``."""
 
@@ -114,7 +114,7 @@ def builtin_dag_path(name: str) -> Path:
     """The file of built-in DAG ``name`` (one of ``BUILTIN_DAGS``)."""
     if name not in BUILTIN_DAGS:
         raise DagError(f"unknown built-in DAG {name!r} (built-in: {', '.join(BUILTIN_DAGS)})")
-    return Path(str(package_files.files("sluice.pipeline") / "dags" / f"{name}.yaml"))
+    return Path(str(package_files.files("sluice.dag") / "builtin" / f"{name}.yaml"))
 
 
 def load_dag(source: str | Path) -> DagSpec:
