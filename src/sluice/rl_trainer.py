@@ -241,10 +241,6 @@ class RLTrainer:
     def max_new_tokens(self) -> int:
         return self.config.rollout.max_new_tokens or self.task.max_new_tokens
 
-    @property
-    def final_model_dir(self) -> Path:
-        return self.run_dir / "final_model"
-
     def _require_engines(self) -> None:
         if not self._engines_ready:
             raise RuntimeError("call init_engines() first")
