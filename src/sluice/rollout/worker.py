@@ -62,6 +62,7 @@ class RolloutWorker:
         name: str = "rollout",
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
+        self.reward = build_reward_service(reward_config, reward)  # first: a reward that cannot run stops here
         self.tokenizer = load_tokenizer(model_dir)
         engine, max_batch, replicas = rollout.engine, rollout.max_batch, rollout.replicas
         self.engines: list[Any] = (
@@ -88,7 +89,6 @@ class RolloutWorker:
                 params.max_new_tokens, params.temperature, params.top_p, (self.tokenizer.eos_token_id,)
             )
         self.params = params
-        self.reward = build_reward_service(reward_config, reward)
         self.group_size = group_size = rollout.group_size
         self.tracer = SpanRecorder(name, enabled=trace)
         self.env_runner: EnvRunner | None = None
