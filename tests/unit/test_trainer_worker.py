@@ -96,3 +96,35 @@ def test_mini_batch_schedule_waits_for_the_step_then_equals_the_whole_batch_upda
     published = sync.fetch(1)
     for name, value in reference.export_weights().items():
         assert torch.equal(published[name], value), name
+
+
+def test_the_worker_drives_its_engine_through_the_protocol_and_publishes_each_version():
+    """Against ``FakeTrainEngine``: groups handed over in three chunks are read from the queue and
+    accumulated in the step's order, one ``finish_step`` scales by 1 / (the step's loss tokens),
+    and the new version's weights are published; a skipped or reordered micro-batch, a wrong
+    scale or a missing publish fails here."""
+    from fakes import FakeAlgorithm, FakeTrainEngine
+
+    groups = _groups(5, seed=3)
+    queue = LocalQueue()
+    queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
+    for group in groups:
+        queue.put(*samples_to_rows(group, GROUP))
+    engine, algorithm, sync = FakeTrainEngine(lr=0.5), FakeAlgorithm(), InProcessWeightSync()
+    worker = TrainerWorker(
+        "unused", queue, algorithm, sync, group_size=GROUP, micro_batch_tokens=12, engine_kwargs={}, engine=engine
+    )
+    worker.begin_step()
+    for chunk in ([3, 0], [4], [1, 2]):  # the controller's order, not the ids'
+        worker.add_groups(chunk)
+    metrics = worker.finish_step()
+
+    order = [s for g in (3, 0, 4, 1, 2) for s in groups[g]]
+    accumulated = [uid for call in engine.calls if call[0] == "accumulate" for uid in call[1]]
+    assert accumulated == [s.uid for s in order]
+    assert [c[0] for c in engine.calls].count("finish_step") == 1 and engine.calls[0] == ("begin_step",)
+    assert engine.calls[-1] == ("finish_step", 1.0 / algorithm.normaliser(order))
+    want_w = 0.5 * sum(s.reward * sum(s.loss_mask) for s in order) / algorithm.normaliser(order)
+    assert engine.w == pytest.approx(want_w)  # every micro-batch's gradient, scaled once
+    assert sync.latest_version() == 1 and float(sync.fetch(1)["w"][0]) == pytest.approx(engine.w)
+    assert metrics["version"] == 1.0 and worker.trained_ids() == [s.uid for s in order]

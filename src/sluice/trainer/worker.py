@@ -68,9 +68,12 @@ class TrainerWorker:
         critic: CriticSpec | None = None,
         critic_sync: WeightSync | None = None,
         reward_column: str | None = None,
+        engine: TrainEngine | None = None,
     ) -> None:
         torch.set_num_threads(threads)
-        self.engine = HFTrainEngine(load_causal_lm(model_dir), **engine_kwargs)
+        self.engine: TrainEngine = engine or HFTrainEngine(load_causal_lm(model_dir), **engine_kwargs)
+        """The policy's train engine (``engine``: one built elsewhere, e.g. a test's fake)."""
+        self.temperature = float(engine_kwargs.get("temperature", 1.0))
         self.critic_spec = critic
         self.critic = critic.engine(model_dir) if critic is not None else None
         self.critic_sync = critic_sync
@@ -105,6 +108,7 @@ class TrainerWorker:
     def join_data_parallel(self, address: str, rank: int, world_size: int) -> None:
         """Join the trainer ranks' process group; blocks until every rank has joined."""
         self.dp = DataParallelGroup(address, rank, world_size)
+        assert isinstance(self.engine, HFTrainEngine), "data parallelism all-reduces a torch engine's gradients"
         self.updater = AllReducedEngine(self.engine, self.dp)
         if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
             self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled)
@@ -148,7 +152,7 @@ class TrainerWorker:
             self._held.extend(samples)
             self._positions.extend(where[s.group_id] for s in samples)
             return
-        prox = proximal_logprobs(self.engine, samples, self.schedule, self.engine.temperature)
+        prox = proximal_logprobs(self.engine, samples, self.schedule, self.temperature)
         for mb in self._step.add(samples, self.algorithm.advantages(samples), prox):
             self._accumulate(mb)
 
@@ -175,7 +179,7 @@ class TrainerWorker:
         if self.critic is not None:
             return self._train_with_critic(held)
         with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
-            prox = proximal_logprobs(self.engine, held, self.schedule, self.engine.temperature)
+            prox = proximal_logprobs(self.engine, held, self.schedule, self.temperature)
             everyone = self.algorithm.advantages(step_samples)
             advantages = [everyone[i] for i in mine]
             plan = mini_batch_plan(step_samples, self.algorithm, self.schedule.mini_batches, mine)
@@ -197,7 +201,7 @@ class TrainerWorker:
         with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
             metrics = ppo_critic_step(
                 _Traced(self), self.critic, held, algorithm, self.micro_batch_tokens, self.schedule,
-                self.engine.temperature, spec.gamma, spec.lam, values,
+                self.temperature, spec.gamma, spec.lam, values,
             )  # fmt: skip
         return self._publish(metrics, held)
 
@@ -247,7 +251,7 @@ class TrainerWorker:
 
     def weights_fingerprint(self) -> tuple[int, float]:
         """(version, float64 sum of every parameter): compared with the engines' after a sync."""
-        if self.engine.lora is not None:  # what the engines hold: the merged weights, tied ones once
+        if not isinstance(self.engine, HFTrainEngine) or self.engine.lora is not None:  # merged, tied once
             unique = {id(t): t for t in self.engine.export_weights().values()}
             return self.version, float(sum(t.double().sum() for t in unique.values()))
         with torch.no_grad():
