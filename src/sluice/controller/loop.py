@@ -28,7 +28,7 @@ from sluice.controller.ledger import GroupLedger
 
 
 class Pipeline(Protocol):
-    """What the asynchronous loop drives (``controller/pipelines.py`` builds local and Ray ones)."""
+    """What the loop drives (``controller/pipelines.py`` builds local and Ray ones)."""
 
     engine_version: int
     """The policy version every engine holds now."""
@@ -58,7 +58,7 @@ StepCallback = Callable[[int, list[int], dict[str, float]], Awaitable[bool]]
 
 
 class Controller:
-    """Runs ``steps`` training steps of ``groups_per_step`` groups over an ``Pipeline``."""
+    """Runs ``steps`` training steps of ``groups_per_step`` groups over a ``Pipeline``."""
 
     def __init__(self, pipeline: Pipeline, ledger: GroupLedger, groups_per_step: int, *, barrier: bool = False) -> None:
         self.pipeline = pipeline
