@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from sluice.config import ConfigError, SluiceConfig, dump_config, load_config
+from sluice.config.models import RolloutConfig, RunConfig
 from sluice.config.reference import config_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +80,10 @@ def test_sync_is_eta_zero_and_refuses_only_what_needs_overlap():
     with pytest.raises(ConfigError, match=r"rollout\.forced_lag: .* needs run\.mode=async"):
         load_config(None, ["run.mode=sync", "rollout.forced_lag=true"])
     assert load_config(None, []).rollout.max_staleness == 1  # async keeps its default bound
+    built = SluiceConfig(run=RunConfig(mode="sync"), rollout=RolloutConfig(group_size=4))  # sections as models
+    assert built.rollout.max_staleness == 0 and built.rollout.group_size == 4
+    with pytest.raises(ValueError, match=r"rollout\.max_staleness: run\.mode=sync"):
+        SluiceConfig(run=RunConfig(mode="sync"), rollout=RolloutConfig(max_staleness=2))
     cfg = load_config(None, ["rollout.replicas=2", "rollout.redundant_groups=16", "rollout.scheduling=batch"])
     assert (cfg.rollout.replicas, cfg.rollout.redundant_groups, cfg.rollout.scheduling) == (2, 16, "batch")
 

@@ -14,16 +14,20 @@ FALSE = (None, False, "false", "False")
 
 
 def sync_is_eta_zero(data: Any) -> Any:
-    """``data`` (a config mapping) with ``rollout.max_staleness: 0`` when ``run.mode`` is ``sync``;
-    a ``ValueError`` naming the field for an option that needs ``async``."""
+    """``data`` (a config mapping, its sections mappings or models) with ``rollout.max_staleness: 0``
+    when ``run.mode`` is ``sync``; a ``ValueError`` naming the field for an option that needs
+    ``async``."""
     if not isinstance(data, dict):
         return data
     run, rollout = data.get("run") or {}, data.get("rollout") or {}
     mode = run.get("mode") if isinstance(run, dict) else getattr(run, "mode", None)
-    if mode != "sync" or not isinstance(rollout, dict):
+    if mode != "sync":
         return data
-    if rollout.get("max_staleness", 0) not in (0, "0"):
+    given = rollout if isinstance(rollout, dict) else {k: getattr(rollout, k) for k in rollout.model_fields_set}
+    if given.get("max_staleness", 0) not in (0, "0"):
         raise ValueError("rollout.max_staleness: run.mode=sync trains on-policy (η = 0); use run.mode=async")
-    if rollout.get("forced_lag") not in FALSE:
+    if given.get("forced_lag") not in FALSE:
         raise ValueError("rollout.forced_lag: holds an asynchronous trainer behind; needs run.mode=async")
-    return {**data, "rollout": {**rollout, "max_staleness": 0}}
+    if isinstance(rollout, dict):
+        return {**data, "rollout": {**rollout, "max_staleness": 0}}
+    return {**data, "rollout": rollout.model_copy(update={"max_staleness": 0})}
