@@ -114,7 +114,7 @@ class RLTrainer:
         self._engines_ready = True
 
     def load_prompt_data(self, rows: Iterable[dict[str, Any]] | None = None) -> None:
-        """Validate the training prompts (``rows``, ``task.data_path``, or the task's generator)
+        """Validate the training prompts (``rows``, ``data.train_files``, or the task's generator)
         and the fixed held-out set; training prompts that appear in the held-out set are an error."""
         self._require_engines()
         cfg = self.config.task
@@ -122,8 +122,9 @@ class RLTrainer:
         self.eval_items = to_prompt_items(held_out_rows, self.tokenizer, source="held-out row")
         held_out = {row["prompt"] for row in held_out_rows}
         source = "row"
-        if rows is None and cfg.data_path is not None:
-            rows, source = read_jsonl(cfg.data_path), f"{cfg.data_path} row"
+        files = self.config.data.train_files
+        if rows is None and files:
+            rows, source = [row for f in files for row in read_jsonl(f)], f"{files[0]} row"
         if rows is None:
             rows = generate_rows(self.task, cfg.train_prompts, self.config.run.seed + 1, exclude=held_out)
         items = to_prompt_items(list(rows), self.tokenizer, source=source)

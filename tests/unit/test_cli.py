@@ -57,7 +57,7 @@ def test_malformed_dataset_row_and_model_folder(tmp_path):
     tok.save_pretrained(fake_model)
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "12>", "answer": "21"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
-    proc = _run("train", f"model.path={fake_model}", f"task.data_path={data}", "run.progress=false", cwd=tmp_path)
+    proc = _run("train", f"model.path={fake_model}", f"data.train_files={data}", "run.progress=false", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "rows.jsonl row 1: field 'prompt' must be a non-empty string" in proc.stderr
     assert "Traceback" not in proc.stderr

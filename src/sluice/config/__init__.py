@@ -1,24 +1,21 @@
 """Run configuration: pydantic models (``models.py``) and YAML + override loading (``loading.py``)."""
 
+from sluice.config.data import DataConfig, EvalConfig, ModelConfig, TaskConfig
 from sluice.config.loading import ConfigError, dump_config, load_config, validate_config
-from sluice.config.models import (
-    ModelConfig,
-    RewardConfig,
-    RolloutConfig,
-    RunConfig,
-    SluiceConfig,
-    TaskConfig,
-    TrainerConfig,
-)
+from sluice.config.models import RewardConfig, RolloutConfig, RunConfig, SluiceConfig, TrainerConfig
+from sluice.config.tracking import TrackingConfig
 
 __all__ = [
     "ConfigError",
+    "DataConfig",
+    "EvalConfig",
     "ModelConfig",
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
     "SluiceConfig",
     "TaskConfig",
+    "TrackingConfig",
     "TrainerConfig",
     "dump_config",
     "load_config",

@@ -14,34 +14,12 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from sluice.config.agentic import AgenticConfig
+from sluice.config.data import DataConfig, EvalConfig, ModelConfig, TaskConfig
 from sluice.config.fleet import FleetConfig, check_fleet
 from sluice.config.modes import sync_is_eta_zero
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
-
-
-class ModelConfig(_Section):
-    path: str | None = None
-    """Local Hugging Face model folder (config.json, weights, tokenizer.json). ``null`` uses the
-    embedded default: the task's tiny Llama, SFT-warm-started once and cached under ``cache_dir``."""
-
-    cache_dir: str = ".cache/sluice"
-    """Where the embedded default base model is built and cached (relative to the working dir)."""
-
-
-class TaskConfig(_Section):
-    name: str = "reverse_digits"
-    """Built-in task (see ``sluice.tasks.TASKS``): its dataset generator, reward and evaluator."""
-
-    train_prompts: int = Field(default=20000, ge=1)
-    """How many RL training prompts the task generates (disjoint from the held-out set)."""
-
-    eval_prompts: int = Field(default=500, ge=1)
-    """Size of the fixed held-out set used by ``accuracy BASE -> FINAL`` and ``sluice eval``."""
-
-    data_path: str | None = None
-    """Optional JSONL file of training rows (``{"prompt": ..., <reward fields>}``) replacing the
-    generated prompts."""
+from sluice.config.tracking import TrackingConfig
 
 
 class RolloutConfig(_Section):
@@ -311,7 +289,8 @@ class RunConfig(_Section):
     """Seeds prompt order, sampling and model init; the same seed reproduces a run exactly."""
 
     eval_every: int = Field(default=20, ge=0)
-    """Evaluate on the held-out set every this many steps (0: only before and after)."""
+    """Evaluate on the validation set before training, every this many steps, and after the last
+    step (0: no evaluation at all, base and final included)."""
 
     threads: int = Field(default=0, ge=0)
     """torch threads for this process (0: all cores). Threads summed over processes must not
@@ -346,7 +325,16 @@ class SluiceConfig(_Section):
     """The policy to train."""
 
     task: TaskConfig = TaskConfig()
-    """The task: prompts, reward, held-out set."""
+    """The built-in task: generated prompts, reward, held-out set (when ``data`` brings none)."""
+
+    data: DataConfig = DataConfig()
+    """Your own train / validation files, how their rows map to prompts, chat rendering, lengths."""
+
+    eval: EvalConfig = EvalConfig()
+    """Evaluation on the validation set (greedy, and sampled mean@k / pass@k)."""
+
+    tracking: TrackingConfig = TrackingConfig()
+    """Metric sinks (TensorBoard, wandb), sample generations, the end-of-run plot."""
 
     rollout: RolloutConfig = RolloutConfig()
     """Generation."""

@@ -32,6 +32,7 @@ def config_reference() -> str:
 
 
 def _row(section: str, key: str, field: Any) -> str:
-    default = field.default.model_dump() if isinstance(field.default, BaseModel) else field.default
+    default = field.get_default(call_default_factory=True)
+    default = default.model_dump() if isinstance(default, BaseModel) else default
     doc = " ".join((field.description or "").split()).replace("|", "\\|")
     return f"| `{section}.{key}` | `{json.dumps(default)}` | {doc} |"
