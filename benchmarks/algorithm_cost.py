@@ -32,6 +32,7 @@ import torch
 from harness.report import write_results
 
 from sluice.api.types import Sample
+from sluice.config import TrainerConfig
 from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lora import LoraSpec
@@ -39,7 +40,7 @@ from sluice.tasks import TASKS
 from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import ppo_critic_step
-from sluice.trainer.reference import frozen_engine
+from sluice.trainer.sections import frozen_engine
 from sluice.trainer.updates import UpdateSchedule, train_global_batch
 
 MICRO_BATCH_TOKENS = 2048
@@ -74,7 +75,7 @@ def _variants(model_dir: str, samples: list[Sample]) -> dict[str, Callable[[], N
             actor, critic, samples, GRPOAlgorithm(estimator="gae"), MICRO_BATCH_TOKENS, UpdateSchedule(), 1.0
         )
 
-    reference = frozen_engine(model_dir, {})
+    reference = frozen_engine(model_dir, TrainerConfig(), 1.0)
     return {
         "default": step(GRPOAlgorithm()),
         "prox recompute": step(GRPOAlgorithm(), UpdateSchedule(1, 1, recompute_prox=True)),

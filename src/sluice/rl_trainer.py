@@ -47,7 +47,6 @@ from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.dataset import DatasetError, PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
-from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.worker import TRAIN_TASK
 
 log = logging.getLogger(__name__)
@@ -215,28 +214,9 @@ class RLTrainer:
         assert self.model_dir is not None
         agentic = env_rollout_spec(self.config.agentic, self.task.env, self.max_new_tokens)
         return PipelineSpec(
-            self.config, self.model_dir, self.reward, self.params, self.algorithm,
+            self.config, self.model_dir, self.reward, self.params,
             dag=place_dag(self.dag_plan, TRAIN_TASK), agentic=agentic,
         )  # fmt: skip
-
-    @property
-    def algorithm(self) -> GRPOAlgorithm:
-        t = self.config.trainer
-        return GRPOAlgorithm(
-            estimator="gae" if t.algorithm == "ppo" else t.algorithm,
-            clip_low=t.clip_low,
-            clip_high=t.clip_high,
-            policy_loss=t.policy_loss,
-            loss_agg_mode=t.loss_agg_mode,
-            dual_clip_c=t.dual_clip_c,
-            behav_weight_cap=t.tis_cap,
-            tis_mode=t.tis_mode,
-            tis_level=t.tis_level,
-            kl_coef=t.kl_coef,
-            kl_estimator=t.kl_estimator,
-            kl_in=t.kl_in,
-            entropy_coef=t.entropy_coef,
-        )
 
     @property
     def max_new_tokens(self) -> int:

@@ -13,6 +13,7 @@ from test_trainer_worker import _groups
 
 from fakes import FakePipeline
 from sluice.api import RowMeta
+from sluice.config import TrainerConfig
 from sluice.controller.checkpoint import (
     COMPLETE,
     DRIVER_STATE,
@@ -32,7 +33,6 @@ from sluice.controller.staleness import StalenessGate
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.queue.snapshot import groups_snapshot
-from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
@@ -196,9 +196,8 @@ def _trainer(model_dir, groups):
     for group in groups:
         queue.put(*samples_to_rows(group, len(group)))
     sync = InProcessWeightSync()
-    worker = TrainerWorker(
-        model_dir, queue, GRPOAlgorithm(), sync, group_size=4, micro_batch_tokens=40, engine_kwargs={"lr": 1e-2}
-    )
+    trainer = TrainerConfig(lr=1e-2, micro_batch_tokens=40)
+    worker = TrainerWorker(model_dir, queue, sync, trainer=trainer, temperature=1.0, group_size=4)
     return worker, sync
 
 

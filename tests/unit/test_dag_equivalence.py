@@ -13,13 +13,14 @@ import torch
 
 from chain import ColocatedChain
 from sluice.api import Sample
+from sluice.config import TrainerConfig
 from sluice.dag import compile_dag, load_dag
 from sluice.dag.model_nodes import ModelBindings
 from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import ppo_critic_step
-from sluice.trainer.reference import frozen_engine
+from sluice.trainer.sections import frozen_engine
 from sluice.trainer.updates import UpdateSchedule, train_global_batch
 from tiny import VOCAB, tiny_llama
 
@@ -60,7 +61,7 @@ def _same_weights(a: HFTrainEngine, b: HFTrainEngine) -> bool:
 def test_grpo_dag_gives_the_losses_of_train_global_batch(model_dir, kl):
     algo = GRPOAlgorithm(kl_coef=0.05 if kl else 0.0, kl_estimator="k3", kl_in="loss")
     direct, via_dag = HFTrainEngine(tiny_llama(0), lr=1e-2), HFTrainEngine(tiny_llama(0), lr=1e-2)
-    reference = frozen_engine(model_dir, {}) if kl else None
+    reference = frozen_engine(model_dir, TrainerConfig(), 1.0) if kl else None
     models = ModelBindings(algo, MB_TOKENS, SCHEDULE, 1.0, actor=via_dag, reference=reference)
     chain = ColocatedChain(compile_dag(load_dag("grpo_kl" if kl else "grpo")), models)
     for step in range(2):
@@ -80,7 +81,7 @@ def test_ppo_dag_gives_the_losses_of_ppo_critic_step(model_dir, kl):
     algo = GRPOAlgorithm(estimator="gae", kl_coef=0.1 if kl else 0.0, kl_estimator="k1", kl_in="reward")
     actors = HFTrainEngine(tiny_llama(0), lr=1e-2), HFTrainEngine(tiny_llama(0), lr=1e-2)
     critics = CriticEngine(model_dir, lr=1e-2), CriticEngine(model_dir, lr=1e-2)
-    reference = frozen_engine(model_dir, {}) if kl else None
+    reference = frozen_engine(model_dir, TrainerConfig(), 1.0) if kl else None
     models = ModelBindings(algo, MB_TOKENS, SCHEDULE, 1.0, actor=actors[1], reference=reference, critic=critics[1],
                            gae_gamma=0.9, gae_lambda=0.8)  # fmt: skip
     chain = ColocatedChain(compile_dag(load_dag("ppo_kl" if kl else "ppo")), models)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fakes import FakeAlgorithm, length_reward
+from fakes import length_reward
 from sluice.api import SamplingParams
 from sluice.config import load_config
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
@@ -19,10 +19,10 @@ from sluice.trainer.ppo import VALUES_COLUMN
 from sluice.trainer.worker import TRAIN_TASK
 
 
-def _spec(*overrides: str, algorithm=None) -> PipelineSpec:
+def _spec(*overrides: str) -> PipelineSpec:
     config = load_config(None, ["run.backend=ray", *overrides])
     params = SamplingParams(max_new_tokens=4)
-    return PipelineSpec(config, Path("."), length_reward, params, algorithm or FakeAlgorithm())
+    return PipelineSpec(config, Path("."), length_reward, params)
 
 
 def test_actors_share_cpus_so_trainer_ranks_and_reference_are_placed_together():
@@ -30,9 +30,8 @@ def test_actors_share_cpus_so_trainer_ranks_and_reference_are_placed_together():
     assert actor_cpu_share(2.0, _spec("trainer.data_parallel=2")) * 3 <= 2.0
     assert actor_cpu_share(2.0, _spec()) == 1.0  # rollout + one trainer: a CPU each
     assert actor_cpu_share(16.0, _spec("trainer.data_parallel=4")) == 1.0
-    with_reference = FakeAlgorithm()
-    with_reference.uses_reference = True  # the trainer waits on the reference worker's column
-    assert actor_cpu_share(2.0, _spec(algorithm=with_reference)) * 3 <= 2.0
+    # with a KL term the trainer waits on the reference worker's column
+    assert actor_cpu_share(2.0, _spec("trainer.kl_coef=0.01")) * 3 <= 2.0
 
 
 def test_the_critic_values_task_gets_a_worker_and_the_trainer_reads_its_column():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sluice.api import Sample
+from sluice.config import TrainerConfig
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.spec import load_dag
 from sluice.engines.critic import CriticEngine, clipped_value_loss
@@ -27,6 +28,7 @@ from sluice.trainer.ppo import (
     token_rewards,
     whiten,
 )
+from sluice.trainer.sections import algorithm_of, critic_of, schedule_of
 from sluice.trainer.updates import UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
@@ -153,7 +155,9 @@ def _versioned(group_id: int, version: int, n_samples: int = 2) -> list[Sample]:
 
 
 def test_critic_values_task_values_each_row_with_a_critic_no_older_than_its_version(model_dir):
-    spec = CriticSpec(lr=1e-2, token_budget=64)
+    section = TrainerConfig(algorithm="ppo", critic_lr=1e-2, micro_batch_tokens=64)
+    spec = critic_of(section)
+    assert spec == CriticSpec(lr=1e-2, token_budget=64)
     published = spec.engine(model_dir)  # the trainer's critic after one update
     torch.nn.init.normal_(published.model.head.weight, std=0.1)
     sync = InProcessWeightSync()
@@ -161,7 +165,7 @@ def test_critic_values_task_values_each_row_with_a_critic_no_older_than_its_vers
     queue.register_task(TRAIN_TASK, (*SAMPLE_COLUMNS, VALUES_COLUMN))
     node = _values_node()
     queue.register_task(node.id, node.reads)
-    worker = NodeTaskWorker(node, queue, model_dir=model_dir, critic=spec, critic_sync=sync, batch_rows=8)
+    worker = NodeTaskWorker(node, queue, model_dir=model_dir, trainer=section, critic_sync=sync, batch_rows=8)
     thread = threading.Thread(target=worker.serve)
     thread.start()
     try:
@@ -190,7 +194,7 @@ def _values_node():
 
 def test_critic_values_task_fails_loudly_when_the_critic_never_comes(model_dir):
     worker = NodeTaskWorker(
-        _values_node(), LocalQueue(), model_dir=model_dir, critic=CriticSpec(lr=1e-2),
+        _values_node(), LocalQueue(), model_dir=model_dir, trainer=TrainerConfig(algorithm="ppo", critic_lr=1e-2),
         critic_sync=InProcessWeightSync(), wait_s=0.05,
     )  # fmt: skip
     worker.load_newest_critic(0)  # its own build is version 0
@@ -208,11 +212,14 @@ def test_trainer_worker_trains_actor_and_critic_from_the_values_column_and_check
     for group in groups:
         queue.put(*samples_to_rows(group, 3))
     queue.put(list(range(9)), {VALUES_COLUMN: values})  # what the critic-values task would write
-    algo, schedule, spec = GRPOAlgorithm(estimator="gae"), UpdateSchedule(2, 1, True), CriticSpec(lr=1e-2)
+    section = TrainerConfig(
+        algorithm="ppo", lr=1e-2, critic_lr=1e-2, micro_batch_tokens=64, ppo_mini_batches=2, prox_logprobs="recompute"
+    )
+    algo, schedule, spec = algorithm_of(section), schedule_of(section), critic_of(section)
+    assert spec is not None and schedule == UpdateSchedule(2, 1, True)
 
     def worker(path) -> TrainerWorker:
-        return TrainerWorker(path, queue, algo, InProcessWeightSync(), group_size=3, micro_batch_tokens=64,
-                             engine_kwargs={"lr": 1e-2}, schedule=schedule, critic=spec,
+        return TrainerWorker(path, queue, InProcessWeightSync(), trainer=section, temperature=1.0, group_size=3,
                              critic_sync=InProcessWeightSync())  # fmt: skip
 
     trainer = worker(model_dir)

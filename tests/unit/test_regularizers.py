@@ -14,6 +14,7 @@ import torch
 from loss_cases import run_loss
 from sluice.api import Sample
 from sluice.api.types import LossInputs, LossOutputs
+from sluice.config import TrainerConfig
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.spec import load_dag
 from sluice.engines.hf_train import HFTrainEngine, token_entropy
@@ -168,7 +169,7 @@ def test_reference_worker_writes_the_column_the_trainer_waits_for(tmp_path):
     for group in groups:
         queue.put(*samples_to_rows(group, 2))
     assert len(queue.get(TRAIN_TASK, train_columns(True), 6, timeout=0)) == 0  # waits for the reference step
-    worker = NodeTaskWorker(node, queue, model_dir=tmp_path, engine_kwargs={"lr": 1.0}, batch_rows=4)
+    worker = NodeTaskWorker(node, queue, model_dir=tmp_path, trainer=TrainerConfig(lr=1.0), batch_rows=4)
     thread = threading.Thread(target=worker.serve)
     thread.start()
     batch = queue.get(TRAIN_TASK, train_columns(True), 6, timeout=30)

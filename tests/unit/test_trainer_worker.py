@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sluice.api import Sample
+from sluice.config import TrainerConfig
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
@@ -53,9 +54,8 @@ def test_streamed_groups_equal_the_whole_batch_step(model_dir, estimator):
         queue.put(*samples_to_rows(group, GROUP))
     algorithm = GRPOAlgorithm(estimator=estimator)
     sync = InProcessWeightSync()
-    worker = TrainerWorker(
-        model_dir, queue, algorithm, sync, group_size=GROUP, micro_batch_tokens=40, engine_kwargs={"lr": 1e-2}
-    )
+    trainer = TrainerConfig(algorithm=estimator, lr=1e-2, micro_batch_tokens=40)
+    worker = TrainerWorker(model_dir, queue, sync, trainer=trainer, temperature=1.0, group_size=GROUP)
     worker.begin_step()
     for chunk in ([0, 1], [2], [3, 4]):  # groups arrive in three hand-offs
         worker.add_groups(chunk)
@@ -81,8 +81,8 @@ def test_mini_batch_schedule_waits_for_the_step_then_equals_the_whole_batch_upda
         queue.put(*samples_to_rows(group, GROUP))
     algorithm, sync = GRPOAlgorithm(), InProcessWeightSync()
     schedule = UpdateSchedule(mini_batches=2, epochs=2, recompute_prox=True)
-    worker = TrainerWorker(model_dir, queue, algorithm, sync, group_size=GROUP, micro_batch_tokens=40,
-                           engine_kwargs={"lr": 1e-2}, schedule=schedule)  # fmt: skip
+    trainer = TrainerConfig(lr=1e-2, micro_batch_tokens=40, ppo_mini_batches=2, ppo_epochs=2, prox_logprobs="recompute")
+    worker = TrainerWorker(model_dir, queue, sync, trainer=trainer, temperature=1.0, group_size=GROUP)
     worker.begin_step()
     worker.add_groups([0, 1])
     assert worker.engine.model.model.embed_tokens.weight.grad is None  # held: no update before the whole step
@@ -112,7 +112,14 @@ def test_the_worker_drives_its_engine_through_the_protocol_and_publishes_each_ve
         queue.put(*samples_to_rows(group, GROUP))
     engine, algorithm, sync = FakeTrainEngine(lr=0.5), FakeAlgorithm(), InProcessWeightSync()
     worker = TrainerWorker(
-        "unused", queue, algorithm, sync, group_size=GROUP, micro_batch_tokens=12, engine_kwargs={}, engine=engine
+        "unused",
+        queue,
+        sync,
+        trainer=TrainerConfig(micro_batch_tokens=12),
+        temperature=1.0,
+        group_size=GROUP,
+        engine=engine,
+        algorithm=algorithm,
     )
     worker.begin_step()
     for chunk in ([3, 0], [4], [1, 2]):  # the controller's order, not the ids'

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.api import Algorithm, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.api import GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
 from sluice.config import SluiceConfig
 from sluice.config.fleet import FleetConfig
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.planner import compile_dag
 from sluice.dag.run_dag import DagPlacement, place_dag
 from sluice.dag.spec import load_dag
-from sluice.engines.lora import LoraSpec
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.snapshot import groups_snapshot
 from sluice.rollout.agentic import EnvRolloutSpec
@@ -34,7 +33,7 @@ from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
 from sluice.trainer.ppo import CriticSpec
-from sluice.trainer.updates import UpdateSchedule
+from sluice.trainer.sections import algorithm_of, critic_of
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
 
@@ -50,7 +49,6 @@ class PipelineSpec:
     model_dir: Path
     reward: RewardFn
     params: SamplingParams
-    algorithm: Algorithm
     dag: DagPlacement | None = None
     """The run's DAG over the workers: queue tasks, node workers, the reward column (``None``: the
     algorithm's built-in DAG)."""
@@ -77,31 +75,7 @@ class PipelineSpec:
     @property
     def critic(self) -> CriticSpec | None:
         """PPO's critic: the ``values`` node's worker values rows with it, the trainer updates it."""
-        t = self.config.trainer
-        if t.algorithm != "ppo":
-            return None
-        return CriticSpec(t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda)
-
-    @property
-    def update_schedule(self) -> UpdateSchedule:
-        t = self.config.trainer
-        return UpdateSchedule(t.ppo_mini_batches, t.ppo_epochs, t.prox_logprobs == "recompute")
-
-    @property
-    def engine_kwargs(self) -> dict[str, Any]:
-        """The train engine's arguments (``HFTrainEngine``) from the ``trainer`` section."""
-        t = self.config.trainer
-        return {
-            "lr": t.lr,
-            "betas": t.betas,
-            "weight_decay": t.weight_decay,
-            "grad_clip": t.grad_clip,
-            "temperature": self.config.rollout.temperature,
-            "layout": t.layout,
-            "share_prompts": t.share_prompts,
-            "pack_row_tokens": t.pack_row_tokens,
-            "lora": LoraSpec(t.lora_rank, t.lora_alpha, t.lora_targets) if t.lora_rank else None,
-        }
+        return critic_of(self.config.trainer)
 
 
 class _Pipeline:
@@ -244,7 +218,9 @@ def placement(spec: PipelineSpec) -> DagPlacement:
     """The run's DAG placement, or the built-in DAG's for the spec's algorithm and critic."""
     if spec.dag is not None:
         return spec.dag
-    name = ("ppo" if spec.critic is not None else "grpo") + ("_kl" if spec.algorithm.uses_reference else "")
+    name = ("ppo" if spec.critic is not None else "grpo") + (
+        "_kl" if algorithm_of(spec.config.trainer).uses_reference else ""
+    )
     return place_dag(compile_dag(load_dag(name)), TRAIN_TASK)
 
 
@@ -257,8 +233,8 @@ def node_worker_kwargs(spec: PipelineSpec, critic_sync: WeightSync | None) -> di
     """What a ``NodeTaskWorker`` needs besides its node and queue (models are built in its process)."""
     return {
         "model_dir": spec.model_dir,
-        "engine_kwargs": spec.engine_kwargs,
-        "critic": spec.critic,
+        "trainer": spec.config.trainer,
+        "temperature": spec.config.rollout.temperature,
         "critic_sync": critic_sync,
         "threads": spec.trainer_threads,
     }
@@ -286,15 +262,12 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
     return {
         "model_dir": spec.model_dir,
         "queue": queue,
-        "algorithm": spec.algorithm,
         "weight_sync": weight_sync,
+        "trainer": spec.config.trainer,
+        "temperature": spec.config.rollout.temperature,
         "group_size": spec.config.rollout.group_size,
-        "micro_batch_tokens": spec.config.trainer.micro_batch_tokens,
-        "schedule": spec.update_schedule,
-        "engine_kwargs": spec.engine_kwargs,
         "threads": spec.trainer_threads,
         "trace": spec.config.run.trace,
-        "critic": spec.critic,
         "critic_sync": critic_sync,
         "reward_column": placement(spec).reward_column,
     }

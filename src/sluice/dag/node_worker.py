@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from sluice.api import Batch, QueueClient, WeightSync
+from sluice.config import TrainerConfig
 from sluice.dag.functions import NodeContext, apply_node, resolve_function
 from sluice.dag.model_nodes import ModelBindings
 from sluice.dag.spec import DagError, DagNode
-from sluice.trainer.ppo import CriticSpec
-from sluice.trainer.reference import frozen_engine
+from sluice.trainer.sections import critic_of, frozen_engine
 
 WEIGHT_POLL_S = 0.005
 NO_MODEL_ROLES = ("reward", "custom")
@@ -47,8 +47,8 @@ class NodeTaskWorker:
         *,
         task: str | None = None,
         model_dir: str | Path | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
-        critic: CriticSpec | None = None,
+        trainer: TrainerConfig | None = None,
+        temperature: float = 1.0,
         critic_sync: WeightSync | None = None,
         batch_rows: int = 64,
         threads: int = 1,
@@ -62,19 +62,19 @@ class NodeTaskWorker:
         self.function = resolve_function(node)
         self.critic_sync = critic_sync if node.role == "critic" else None
         self.wait_s = wait_s
-        self.context = NodeContext(node, models=self._models(model_dir, engine_kwargs or {}, critic))
+        self.context = NodeContext(node, models=self._models(model_dir, trainer or TrainerConfig(), temperature))
         self.rows_done = 0
 
-    def _models(self, model_dir: str | Path | None, engine_kwargs: dict[str, Any], critic: CriticSpec | None) -> Any:
+    def _models(self, model_dir: str | Path | None, trainer: TrainerConfig, temperature: float) -> Any:
         role = self.node.role
         if role in NO_MODEL_ROLES:
             return None
         if model_dir is None:
             raise DagError(f"node {self.node.id!r} ({role}) needs the model folder")
-        temperature = float(engine_kwargs.get("temperature", 1.0))
         bindings = ModelBindings(None, 0, None, temperature)
+        critic = critic_of(trainer)
         if role == "reference":
-            bindings.reference = frozen_engine(model_dir, engine_kwargs)
+            bindings.reference = frozen_engine(model_dir, trainer, temperature)
         elif role == "critic" and critic is not None and self.critic_sync is not None:
             bindings.critic = critic.engine(model_dir)  # version 0: every build of the critic is the same
             bindings.critic.model.requires_grad_(False)

@@ -26,7 +26,7 @@ SAMPLE_COLUMNS = (
 
 REF_COLUMN = "ref_logprobs"
 """Per-response-token log-probs of the frozen reference policy, written by the ``reference``
-task (``trainer/reference.py``); the ``train`` task reads it too when the loss has a KL term."""
+task (the ``reference_logprobs`` DAG node); the ``train`` task reads it too when the loss has a KL term."""
 
 
 def train_columns(with_reference: bool) -> tuple[str, ...]:

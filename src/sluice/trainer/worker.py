@@ -27,18 +27,17 @@ from typing import Any
 import torch
 
 from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, TrainEngine, WeightSync
-from sluice.engines.hf_model import load_causal_lm
+from sluice.config import TrainerConfig
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import AllReducedEngine, DataParallelGroup, free_tcp_address
-from sluice.trainer.ppo import VALUES_COLUMN, CriticSpec, ppo_critic_step
+from sluice.trainer.ppo import VALUES_COLUMN, ppo_critic_step
 from sluice.trainer.rng_state import capture_rng, restore_rng
+from sluice.trainer.sections import algorithm_of, critic_of, schedule_of, train_engine
 from sluice.trainer.step import InOrderPacker, step_normaliser
 from sluice.trainer.updates import (
-    ONE_UPDATE,
-    UpdateSchedule,
     merge_update_metrics,
     mini_batch_plan,
     proximal_logprobs,
@@ -56,35 +55,35 @@ class TrainerWorker:
         self,
         model_dir: str | Path,
         queue: QueueClient,
-        algorithm: Algorithm,
         weight_sync: WeightSync,
         *,
+        trainer: TrainerConfig,
+        temperature: float,
         group_size: int,
-        micro_batch_tokens: int,
-        engine_kwargs: dict[str, Any],
-        schedule: UpdateSchedule = ONE_UPDATE,
         threads: int = 1,
         trace: bool = True,
-        critic: CriticSpec | None = None,
         critic_sync: WeightSync | None = None,
         reward_column: str | None = None,
         engine: TrainEngine | None = None,
+        algorithm: Algorithm | None = None,
     ) -> None:
         torch.set_num_threads(threads)
-        self.engine: TrainEngine = engine or HFTrainEngine(load_causal_lm(model_dir), **engine_kwargs)
-        """The policy's train engine (``engine``: one built elsewhere, e.g. a test's fake)."""
-        self.temperature = float(engine_kwargs.get("temperature", 1.0))
+        self.engine: TrainEngine = engine or train_engine(model_dir, trainer, temperature)
+        """The policy's train engine (``engine`` / ``algorithm``: ones built elsewhere, e.g. a test's fakes)."""
+        self.temperature = temperature
+        """The rollout's sampling temperature: log-probs are taken at it."""
+        critic = critic_of(trainer)
         self.critic_spec = critic
         self.critic = critic.engine(model_dir) if critic is not None else None
         self.critic_sync = critic_sync
         if (critic is None) != (critic_sync is None):
             raise ValueError("a critic needs a critic_sync to publish it to the critic-values task, and only then")
         self.queue = queue
-        self.algorithm = algorithm
+        self.algorithm: Algorithm = algorithm or algorithm_of(trainer)
         self.weight_sync = weight_sync
         self.group_size = group_size
-        self.micro_batch_tokens = micro_batch_tokens
-        self.schedule = schedule
+        self.micro_batch_tokens = trainer.micro_batch_tokens
+        self.schedule = schedule_of(trainer)
         self.reward_column = reward_column
         """A column a node of the DAG wrote (e.g. a combined reward) that replaces ``reward``."""
         self.tracer = SpanRecorder("trainer", enabled=trace)

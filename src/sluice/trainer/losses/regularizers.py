@@ -12,7 +12,7 @@ loss (same mode, same step-wide normaliser), times ``kl_coef``. In the reward it
 and summed over a sequence's loss tokens: ``r' = r − kl_coef · Σ_t kl_t`` (the sequence-level
 KL penalty of RLHF with scalar baselines). The entropy bonus subtracts ``entropy_coef`` times
 the aggregated per-token entropy of π_θ (computed by the train engine from the full
-distribution). Deliberately not here: computing reference log-probs (``trainer/reference.py``)
+distribution). Deliberately not here: computing reference log-probs (the ``reference_logprobs`` DAG node)
 or entropies (``engines/hf_train.token_entropy``).
 """
 

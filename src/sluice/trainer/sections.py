@@ -1,0 +1,78 @@
+"""The trainer's pieces built from its own config section (``TrainerConfig``), in one place.
+
+Workers take the ``trainer`` section (and the sampling temperature the log-probs are taken at)
+and build what they need here: the algorithm, the update schedule, PPO's critic, the train
+engine. Nothing else copies trainer fields by hand. It does not train or place anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sluice.config import TrainerConfig
+from sluice.engines.hf_model import load_causal_lm
+from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.lora import LoraSpec
+from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.ppo import CriticSpec
+from sluice.trainer.updates import UpdateSchedule
+
+
+def algorithm_of(t: TrainerConfig) -> GRPOAlgorithm:
+    """The advantage estimator and the loss family of the section."""
+    return GRPOAlgorithm(
+        estimator="gae" if t.algorithm == "ppo" else t.algorithm,
+        clip_low=t.clip_low,
+        clip_high=t.clip_high,
+        policy_loss=t.policy_loss,
+        loss_agg_mode=t.loss_agg_mode,
+        dual_clip_c=t.dual_clip_c,
+        behav_weight_cap=t.tis_cap,
+        tis_mode=t.tis_mode,
+        tis_level=t.tis_level,
+        kl_coef=t.kl_coef,
+        kl_estimator=t.kl_estimator,
+        kl_in=t.kl_in,
+        entropy_coef=t.entropy_coef,
+    )
+
+
+def schedule_of(t: TrainerConfig) -> UpdateSchedule:
+    """How a step's batch becomes optimizer updates (PPO mini-batches, epochs, proximal policy)."""
+    return UpdateSchedule(t.ppo_mini_batches, t.ppo_epochs, t.prox_logprobs == "recompute")
+
+
+def critic_of(t: TrainerConfig) -> CriticSpec | None:
+    """PPO's critic (``algorithm: ppo``), else ``None``."""
+    if t.algorithm != "ppo":
+        return None
+    return CriticSpec(t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda)
+
+
+def engine_options(t: TrainerConfig, temperature: float) -> dict[str, Any]:
+    """``HFTrainEngine``'s arguments besides the model."""
+    return {
+        "lr": t.lr,
+        "betas": t.betas,
+        "weight_decay": t.weight_decay,
+        "grad_clip": t.grad_clip,
+        "temperature": temperature,
+        "layout": t.layout,
+        "share_prompts": t.share_prompts,
+        "pack_row_tokens": t.pack_row_tokens,
+        "lora": LoraSpec(t.lora_rank, t.lora_alpha, t.lora_targets) if t.lora_rank else None,
+    }
+
+
+def train_engine(model_dir: str | Path, t: TrainerConfig, temperature: float) -> HFTrainEngine:
+    """The policy's train engine, loaded from ``model_dir``."""
+    return HFTrainEngine(load_causal_lm(model_dir), **engine_options(t, temperature))
+
+
+def frozen_engine(model_dir: str | Path, t: TrainerConfig, temperature: float) -> HFTrainEngine:
+    """The reference policy: the model at ``model_dir`` with gradients off (never stepped)."""
+    engine = HFTrainEngine(load_causal_lm(model_dir), **{**engine_options(t, temperature), "lr": 0.0, "lora": None})
+    engine.model.requires_grad_(False)
+    engine.model.eval()
+    return engine
