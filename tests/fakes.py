@@ -345,3 +345,18 @@ class FakeEnv:
 
     async def close(self) -> None:
         self.closed = True
+
+
+def verl_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
+    """A reward in verl's ``compute_score`` convention, returning verl's dict: 1.0 for an exact
+    answer, plus ``extra_info["bonus"]`` (0 without one); ``data_source`` echoed in the dict."""
+    bonus = (extra_info or {}).get("bonus", 0.0)
+    return {"score": float(solution_str.strip() == str(ground_truth)) + bonus, "source": data_source}
+
+
+tripled_length_reward = lambda response, **_: 3.0 * length_reward(response)  # noqa: E731
+"""A reward reachable by import path that does not pickle by reference (a lambda): the reward
+pool must import it by path in its processes (``reward.fn=fakes:tripled_length_reward``)."""
+
+NOT_CALLABLE = 42
+"""An import path that resolves to a non-callable (``reward.fn=fakes:NOT_CALLABLE``)."""

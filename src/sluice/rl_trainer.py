@@ -39,7 +39,7 @@ from sluice.controller.training import run_training
 from sluice.dag.run_dag import place_dag, plan_for_run
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
-from sluice.rewards import build_reward_service
+from sluice.rewards import build_reward_service, check_reward
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
 from sluice.tasks import TASKS
@@ -74,6 +74,7 @@ class RLTrainer:
         self.config = config
         self.task: TaskSpec = TASKS[config.task.name]
         check_agentic(config, self.task.env)
+        check_reward(config.reward, reward, self.max_new_tokens)  # reward.fn / by_source imported: errors here
         self.reward: RewardFn = reward or self.task.reward
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.model_dir: Path | None = None

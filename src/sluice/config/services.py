@@ -5,9 +5,10 @@ module only declares and validates.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sluice.config.section import Section as _Section
 
@@ -45,13 +46,61 @@ class SGLangConfig(_Section):
     """Per-HTTP-call limit in seconds (a whole generation is one call)."""
 
 
+BUILTIN_REWARDS = ("exact_match", "math_verify", "code_exec")
+"""The names ``reward.name`` and ``reward.by_source`` accept (``sluice.rewards.REWARDS``)."""
+
+IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+"""``package.module:function`` (the attribute may be dotted: ``module:Class.method``)."""
+
+
+def _reward_ref(field: str, value: str) -> str:
+    """A built-in name or an import path; anything else names ``field``."""
+    if value in BUILTIN_REWARDS or IMPORT_PATH.fullmatch(value):
+        return value
+    raise ValueError(
+        f"{field}: {value!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
+        "nor an import path package.module:function"
+    )
+
+
 class RewardConfig(_Section):
     name: Literal["exact_match", "math_verify", "code_exec"] | None = None
-    """Reward function: ``null`` uses the task's own (or the one passed to ``RLTrainer``);
-    ``exact_match`` (response equals the row's ``answer``), ``math_verify`` (mathematically equal
-    to ``answer``; needs ``pip install 'sluice[math]'``), ``code_exec`` (the fraction of the row's
-    ``tests`` that the response's Python code passes, judged in a sandbox; the ``sandbox_*`` and
-    ``code_exec_scoring`` options). See docs/rewards.md."""
+    """Built-in reward function: ``null`` uses ``fn`` if set, else the task's own (or the one passed
+    to ``RLTrainer``); ``exact_match`` (response equals the row's ``answer``), ``math_verify``
+    (mathematically equal to ``answer``; needs ``pip install 'sluice[math]'``), ``code_exec`` (the
+    fraction of the row's ``tests`` that the response's Python code passes, judged in a sandbox;
+    the ``sandbox_*`` and ``code_exec_scoring`` options). See docs/rewards.md."""
+
+    fn: str | None = None
+    """Your own reward by import path, ``package.module:function`` (importable where the run
+    starts; checked there). Called as ``fn(response, **fields)`` (the row's fields: ``answer``,
+    ``data_source``, ``data.fields``), or verl-style ``fn(data_source, solution_str, ground_truth,
+    extra_info)`` when it has a parameter named ``solution_str``. Exclusive with ``name``."""
+
+    by_source: dict[str, str] = Field(default_factory=dict)
+    """Reward per data source, ``{data_source: reward}`` (a built-in name or an import path), like
+    verl's ``default_compute_score``: each row goes by its ``data_source`` field
+    (``data.data_source_key``; ``default`` when absent). A source without an entry uses ``fn`` /
+    ``name``; with neither set its rows are reward failures naming the source."""
+
+    format_pattern: str | None = None
+    """A regular expression the whole response must match (``re.fullmatch``), e.g.
+    ``(?s).*\\\\boxed\\{.+\\}.*``. A response that does not scores ``format_score`` (its base
+    reward is not computed); one that does scores its base reward. ``null``: off."""
+
+    format_score: float = 0.0
+    """The reward of a response that does not match ``format_pattern`` (e.g. -1.0 ranks it below
+    a wrong answer of a 0/1 reward)."""
+
+    overlong_buffer: int = Field(default=0, ge=0)
+    """DAPO's soft overlong punishment: the last ``L_cache`` tokens before
+    ``rollout.max_new_tokens`` (``L_max``). A training response of ``n`` tokens gets
+    ``((L_max - L_cache) - n) / L_cache * overlong_penalty`` added when
+    ``L_max - L_cache < n <= L_max``, ``-overlong_penalty`` past ``L_max``, nothing otherwise.
+    Single-turn rollouts only; evaluation is not penalised. 0: off."""
+
+    overlong_penalty: float = Field(default=1.0, ge=0.0)
+    """The overlong punishment's factor: the penalty at ``n = L_max``."""
 
     pool_size: int = Field(default=2, ge=0)
     """Reward worker processes per rollout worker, so scoring never blocks generation. 0 runs
@@ -112,9 +161,38 @@ class RewardConfig(_Section):
     only when every test passes, else 0.0. A test is each top-level statement of the row's
     ``tests`` holding an ``assert``, and each ``test_*`` function."""
 
+    @field_validator("fn")
+    @classmethod
+    def _fn_is_a_path(cls, value: str | None) -> str | None:
+        if value is not None and not IMPORT_PATH.fullmatch(value):
+            raise ValueError(f"reward.fn: {value!r} is not an import path package.module:function")
+        return value
+
+    @field_validator("by_source")
+    @classmethod
+    def _sources_are_rewards(cls, value: dict[str, str]) -> dict[str, str]:
+        return {source: _reward_ref(f"reward.by_source.{source}", ref) for source, ref in value.items()}
+
+    @field_validator("format_pattern")
+    @classmethod
+    def _pattern_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"reward.format_pattern: not a regular expression: {err}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_base_reward(self) -> RewardConfig:
+        if self.name is not None and self.fn is not None:
+            raise ValueError(f"reward.name ({self.name!r}) and reward.fn ({self.fn!r}) exclude each other: set one")
+        return self
+
     @model_validator(mode="after")
     def _sandbox_inside_timeout(self) -> RewardConfig:
-        if self.name == "code_exec" and self.sandbox_wall_s >= self.timeout_s:
+        code_exec = self.name == "code_exec" or "code_exec" in self.by_source.values()
+        if code_exec and self.sandbox_wall_s >= self.timeout_s:
             raise ValueError(
                 f"reward.sandbox_wall_s ({self.sandbox_wall_s}) must be below reward.timeout_s ({self.timeout_s})"
             )

@@ -12,18 +12,20 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sluice.rewards.answers import answer_text
+
 # math-verify warns on every call that its own timeout is disabled; the service times calls out.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
-def math_verify_reward(response: str, *, answer: str, **_: Any) -> float:
+def math_verify_reward(response: str, *, answer: Any, **_: Any) -> float:
     """1.0 when the last answer in ``response`` equals ``answer`` (a LaTeX or plain expression,
-    e.g. ``"\\\\frac{1}{2}"`` or ``"0.5"``) up to mathematical equivalence, else 0.0."""
+    e.g. ``"\\\\frac{1}{2}"``, ``"0.5"`` or the number ``42``) up to mathematical equivalence, else 0.0."""
+    text = answer_text(answer)
     try:
         from math_verify import parse, verify
     except ImportError as exc:
         raise ImportError("the math_verify reward needs the math extra: pip install 'sluice[math]'") from exc
-    text = str(answer)
     gold = parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)
     if not gold:
         raise ValueError(f"math_verify reward: cannot parse the reference answer {text!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,9 @@ class SingleTurnWorkflow:
     params: SamplingParams
     group_size: int
     run_seed: int = 0
+    length_penalty: Callable[[int], float] | None = None
+    """Added to each successful score, from the response's length in tokens (DAPO's overlong
+    punishment, ``reward.overlong_buffer``); ``None``: none."""
 
     async def run(self, item: PromptItem, group_id: int, engine: InferenceEngine, reward: RewardFn) -> list[Sample]:
         """Generate the group; each sample is scored as soon as it finishes, overlapping the
@@ -99,6 +102,8 @@ class SingleTurnWorkflow:
                 value = await value
         except RewardFailure as failure:
             return failure
+        if self.length_penalty is not None:
+            return float(value) + self.length_penalty(len(completion.token_ids))
         return float(value)
 
     @staticmethod

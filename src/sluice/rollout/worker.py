@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.config import ConfigError
 from sluice.config.fleet import FleetConfig
 from sluice.config.models import RewardConfig, RolloutConfig
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
-from sluice.rewards import build_reward_service
+from sluice.rewards import build_reward_service, overlong_shaping
 from sluice.rollout.agentic import EnvRolloutSpec, build_env_runner, evaluate_episodes
 from sluice.rollout.env_runner import EnvRunner
 from sluice.rollout.evaluate import EvalResult, evaluate_async
@@ -63,6 +64,9 @@ class RolloutWorker:
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.reward = build_reward_service(reward_config, reward)  # first: a reward that cannot run stops here
+        penalty = overlong_shaping(reward_config, params.max_new_tokens)
+        if penalty is not None and agentic is not None:
+            raise ConfigError("reward.overlong_buffer: single-turn rollouts only (an environment scores its episodes)")
         self.tokenizer = load_tokenizer(model_dir)
         engine, max_batch, replicas = rollout.engine, rollout.max_batch, rollout.replicas
         self.engines: list[Any] = (
@@ -99,7 +103,7 @@ class RolloutWorker:
                 model_dir=model_dir, tracer=self.tracer,
             )  # fmt: skip
         else:
-            workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed)
+            workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed, penalty)
             self.runner = GroupRunner(
                 self.proxy,
                 workflow,
