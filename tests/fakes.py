@@ -360,3 +360,199 @@ pool must import it by path in its processes (``reward.fn=fakes:tripled_length_r
 
 NOT_CALLABLE = 42
 """An import path that resolves to a non-callable (``reward.fn=fakes:NOT_CALLABLE``)."""
+
+
+class FakeWeightSync:
+    """A ``WeightSync`` that keeps every published version (copied) and records the calls:
+    ``published`` lists each version with its tensor names, ``fetches`` the versions asked for."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.published: list[tuple[int, tuple[str, ...]]] = []
+        self.fetches: list[int] = []
+
+    def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        self.versions[version] = {name: t.detach().clone() for name, t in named_tensors.items()}
+        self.published.append((version, tuple(sorted(named_tensors))))
+
+    def fetch(self, version: int) -> Mapping[str, torch.Tensor]:
+        self.fetches.append(version)
+        return self.versions[version]
+
+    def latest_version(self) -> int:
+        return max(self.versions, default=0)
+
+
+class FakeStorageUnit:
+    """A ``StorageUnit`` over plain dicts that records each ``write`` / ``read`` / ``drop``
+    (``calls``): what a queue asks of its storage, with none of the packing of the real one."""
+
+    def __init__(self) -> None:
+        from sluice.api import RowMeta
+
+        self._row_meta = RowMeta
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.metas: dict[int, Any] = {}
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def write(self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[Any] | None = None):
+        self.calls.append(("write", tuple(indices)))
+        for k, i in enumerate(indices):
+            if i not in self.metas:
+                self.metas[i] = meta[k] if meta is not None else self._row_meta(i, i, 0, 0)
+            self.rows.setdefault(i, {}).update({name: values[k] for name, values in columns.items()})
+        return [self.metas[i] for i in indices]
+
+    def read(self, indices: Sequence[int], columns: Sequence[str]) -> dict[str, Sequence[Any]]:
+        self.calls.append(("read", tuple(indices)))
+        return {name: [self.rows[i][name] for i in indices] for name in columns}
+
+    def drop(self, indices: Sequence[int]) -> int:
+        self.calls.append(("drop", tuple(indices)))
+        gone = [i for i in indices if self.rows.pop(i, None) is not None]
+        for i in gone:
+            self.metas.pop(i, None)
+        return len(gone)
+
+    def catalog(self) -> list[tuple[Any, tuple[str, ...]]]:
+        return [(self.metas[i], tuple(self.rows[i])) for i in sorted(self.rows)]
+
+    def snapshot(self) -> dict[str, Any]:
+        columns: dict[str, dict[str, list[Any]]] = {}
+        for i in sorted(self.rows):
+            for name, value in self.rows[i].items():
+                col = columns.setdefault(name, {"indices": [], "values": []})
+                col["indices"].append(i)
+                col["values"].append(value)
+        fields = ("index", "group_id", "version", "num_tokens", "group_size", "partition")
+        meta = [[getattr(self.metas[i], f) for f in fields] for i in sorted(self.metas)]
+        return {"meta": meta, "columns": columns, "freed": []}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        metas = [self._row_meta(*row) for row in state["meta"]]
+        self.write([m.index for m in metas], {}, metas)
+        for name, col in state["columns"].items():
+            self.write(col["indices"], {name: list(col["values"])})
+
+    def stats(self) -> dict[str, Any]:
+        return {"rows": len(self.rows)}
+
+
+class FakeQueueClient:
+    """A ``QueueClient`` over plain dicts: rows in index order, a task gets the rows holding all
+    its columns that it has not consumed, never waits (it returns what is ready). ``gets`` records
+    every read as (task, rows asked for, rows returned)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.metas: dict[int, Any] = {}
+        self.tasks: dict[str, set[int]] = {}
+        self.gets: list[tuple[str, tuple[int, ...] | None, tuple[int, ...]]] = []
+        self.closed = False
+
+    def register_task(self, task: str, input_columns: Sequence[str]) -> None:
+        self.tasks.setdefault(task, set())
+
+    def put(self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Any = None, *, partition=None):
+        for k, i in enumerate(indices):
+            self.rows.setdefault(i, {}).update({name: values[k] for name, values in columns.items()})
+            if meta is not None:
+                self.metas.setdefault(i, meta[k])
+
+    def get(self, task: str, columns: Sequence[str], batch_size: int, *, indices=None, **_: Any) -> Any:
+        from sluice.api import Batch
+
+        wanted = sorted(self.rows) if indices is None else list(indices)
+        ready = [i for i in wanted if i in self.rows and i not in self.tasks[task]]
+        chosen = [i for i in ready if all(c in self.rows[i] for c in columns)][:batch_size]
+        self.tasks[task].update(chosen)
+        self.gets.append((task, None if indices is None else tuple(indices), tuple(chosen)))
+        cols = {c: [self.rows[i][c] for i in chosen] for c in columns}
+        return Batch(tuple(chosen), cols, tuple(self.metas[i] for i in chosen))
+
+    def clear(self, indices: Sequence[int] | None = None) -> int:
+        gone = list(self.rows) if indices is None else [i for i in indices if i in self.rows]
+        for i in gone:
+            del self.rows[i]
+        return len(gone)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"rows": {i: dict(r) for i, r in self.rows.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.rows = {i: dict(r) for i, r in state["rows"].items()}
+
+    def stats(self) -> dict[str, Any]:
+        return {"rows": len(self.rows)}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeAsyncQueueClient:
+    """``FakeQueueClient``'s verbs as coroutines (an ``AsyncQueueClient``); ``sync`` is the fake
+    it wraps, so a test reads what was written."""
+
+    def __init__(self, sync: FakeQueueClient | None = None) -> None:
+        self.sync = sync or FakeQueueClient()
+
+    async def register_task(self, task: str, input_columns: Sequence[str]) -> None:
+        self.sync.register_task(task, input_columns)
+
+    async def put(self, indices, columns, meta=None, *, partition=None) -> None:
+        self.sync.put(indices, columns, meta, partition=partition)
+
+    async def get(self, task: str, columns: Sequence[str], batch_size: int, **kwargs: Any) -> Any:
+        return self.sync.get(task, columns, batch_size, **kwargs)
+
+    async def clear(self, indices: Sequence[int] | None = None) -> int:
+        return self.sync.clear(indices)
+
+    async def snapshot(self) -> dict[str, Any]:
+        return self.sync.snapshot()
+
+    async def restore(self, state: dict[str, Any]) -> None:
+        self.sync.restore(state)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.sync.stats()
+
+    async def close(self) -> None:
+        self.sync.close()
+
+
+class FakeReplica:
+    """A ``Replica`` (every verb a coroutine) over a ``FakeInferenceEngine``; ``updates`` records
+    each weight update as (version, mode)."""
+
+    def __init__(self, engine: FakeInferenceEngine | None = None) -> None:
+        self.engine = engine or FakeInferenceEngine()
+        self.updates: list[tuple[int, str]] = []
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        return await self.engine.generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.aborted.add(request_id)
+
+    async def pause(self) -> None:
+        self.engine.paused = True
+
+    async def resume(self) -> None:
+        self.engine.paused = False
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, mode: str) -> None:
+        self.updates.append((version, mode))
+        self.engine.version = version
+
+    async def stats(self) -> dict[str, float]:
+        return {"version": float(self.engine.version)}
+
+
+class FakeToolEnv(FakeEnv):
+    """A ``ToolEnv``: ``FakeEnv`` that also declares one tool, ``echo``."""
+
+    TOOLS = ({"name": "echo", "description": "repeats its argument", "parameters": {"type": "object"}},)
+
+    def tools(self) -> Sequence[Mapping[str, Any]]:
+        return self.TOOLS

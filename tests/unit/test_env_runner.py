@@ -156,3 +156,29 @@ def test_held_out_evaluation_plays_one_greedy_episode_per_row():
     assert len(factory.envs) == 6 and all(env.closed for env in factory.envs)
     wins = [float(bool(env.actions[0])) for n, env in enumerate(factory.envs) if n != 3]  # env 3 crashed: a miss
     assert result.count == 6 and 0 < result.accuracy == pytest.approx(sum(wins) / 6)
+
+
+def test_a_tool_env_shows_its_tools_in_the_first_prompt_and_its_group_reaches_the_queue():
+    """Against ``FakeToolEnv`` and ``FakeAsyncQueueClient``: the episode's first prompt carries the
+    env's tool schema (plain envs show none), and the finished group's rows are written once."""
+    from fakes import FakeAsyncQueueClient, FakeToolEnv
+
+    tok = SimTokenizer()
+    engine = FakeInferenceEngine(vocab=50)
+    queue = FakeAsyncQueueClient()
+    episodes = EpisodeRunner(
+        engine,
+        lambda: FakeToolEnv(turns=2),
+        encode_prompt=tok.encode,
+        encode=lambda text: tok.encode(text),
+        decode=tok.decode,
+        chat=ChatFormat(first="{tools}|{observation}", turn_end="."),
+        params=SamplingParams(4),
+        limits=EpisodeLimits(max_turns=4, max_context=1000, turn_tokens=4),
+    )
+    runner = EnvRunner(episodes, queue, group_size=2)
+    reports = run_virtual(_wave(runner, [7]))
+    assert [r.discard_reason for r in reports] == [None]
+    first = "".join(chr(i) for i in engine.requests[0].prompt_ids)  # SimTokenizer: one id per character
+    assert "echo" in first and first.endswith("|start")
+    assert sorted(queue.sync.rows) == [14, 15] and all(set(SAMPLE_COLUMNS) <= set(r) for r in queue.sync.rows.values())

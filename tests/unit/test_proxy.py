@@ -182,3 +182,26 @@ def test_real_engines_interrupt_and_removal_keep_per_token_versions_and_logprobs
             expected = logp.gather(1, torch.tensor(c.token_ids).unsqueeze(1)).squeeze(1)
             mine = torch.tensor([v == version for v in c.versions])
             torch.testing.assert_close(torch.tensor(c.logprobs)[mine], expected[mine], atol=1e-4, rtol=0)
+
+
+def test_a_replica_of_its_own_is_driven_through_the_protocol() -> None:
+    """Any ``Replica`` (coroutine verbs) is routed to as is, not wrapped as an engine: requests
+    of one group share a replica, and a weight update reaches every replica with its mode."""
+    from fakes import FakeReplica
+
+    replicas = [FakeReplica(), FakeReplica()]
+    proxy = LLMProxy(replicas, prompt_replication=False)
+
+    async def main():
+        group = [_req(f"g0-s{k}", affinity="g0", max_new=4, seed=k) for k in range(3)]
+        done = await asyncio.gather(*(proxy.generate(r) for r in group))
+        proxy.update_weights({}, 1, "defer")
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return done
+
+    done = asyncio.run(main())
+    assert [len(c.token_ids) for c in done] == [1, 2, 3]  # the fake's scripted lengths (seed % 4 + 1)
+    served = [len(r.engine.requests) for r in replicas]
+    assert sorted(served) == [0, 3]  # no prompt replication: the group stayed on one replica
+    assert all(r.updates == [(1, "defer")] for r in replicas)

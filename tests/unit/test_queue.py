@@ -28,10 +28,16 @@ torch.set_num_threads(1)
 MakeQueue = Callable[..., QueueClient]
 
 
-@pytest.fixture(params=[1, 3], ids=["1unit", "3units"])
+@pytest.fixture(params=[1, 3, "fake"], ids=["1unit", "3units", "2fake-units"])
 def make_queue(request) -> MakeQueue:
-    def make(num_units: int = request.param) -> QueueClient:
-        return LocalQueue(num_storage_units=num_units)
+    """The queue over its own storage units, or over ``FakeStorageUnit`` s (the queue may use
+    only the ``StorageUnit`` Protocol)."""
+    from fakes import FakeStorageUnit
+
+    def make(num_units: int | None = None) -> QueueClient:
+        if request.param == "fake":
+            return LocalQueue(num_storage_units=num_units or 2, unit_factory=FakeStorageUnit)
+        return LocalQueue(num_storage_units=num_units or request.param)
 
     return make
 

@@ -103,14 +103,14 @@ def test_the_worker_drives_its_engine_through_the_protocol_and_publishes_each_ve
     accumulated in the step's order, one ``finish_step`` scales by 1 / (the step's loss tokens),
     and the new version's weights are published; a skipped or reordered micro-batch, a wrong
     scale or a missing publish fails here."""
-    from fakes import FakeAlgorithm, FakeTrainEngine
+    from fakes import FakeAlgorithm, FakeQueueClient, FakeTrainEngine, FakeWeightSync
 
     groups = _groups(5, seed=3)
-    queue = LocalQueue()
+    queue = FakeQueueClient()
     queue.register_task(TRAIN_TASK, SAMPLE_COLUMNS)
     for group in groups:
         queue.put(*samples_to_rows(group, GROUP))
-    engine, algorithm, sync = FakeTrainEngine(lr=0.5), FakeAlgorithm(), InProcessWeightSync()
+    engine, algorithm, sync = FakeTrainEngine(lr=0.5), FakeAlgorithm(), FakeWeightSync()
     worker = TrainerWorker(
         "unused",
         queue,
@@ -133,5 +133,7 @@ def test_the_worker_drives_its_engine_through_the_protocol_and_publishes_each_ve
     assert engine.calls[-1] == ("finish_step", 1.0 / algorithm.normaliser(order))
     want_w = 0.5 * sum(s.reward * sum(s.loss_mask) for s in order) / algorithm.normaliser(order)
     assert engine.w == pytest.approx(want_w)  # every micro-batch's gradient, scaled once
-    assert sync.latest_version() == 1 and float(sync.fetch(1)["w"][0]) == pytest.approx(engine.w)
+    assert sync.published == [(1, ("w",))] and float(sync.versions[1]["w"][0]) == pytest.approx(engine.w)
     assert metrics["version"] == 1.0 and worker.trained_ids() == [s.uid for s in order]
+    read = [i for task, _, rows in queue.gets if task == TRAIN_TASK for i in rows]
+    assert read == [i for g in (3, 0, 4, 1, 2) for i in range(g * GROUP, (g + 1) * GROUP)]  # each row once, in order

@@ -214,7 +214,8 @@ class StorageUnit(Protocol):
         ...
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain-data copy of the rows and their metadata."""
+        """Plain-data copy of the rows and their metadata: ``{"meta": [RowMeta fields as a list
+        per row], "columns": {name: {"indices": [...], "values": [...]}}, "freed": [indices]}``."""
         ...
 
     def restore(self, state: dict[str, Any]) -> None:

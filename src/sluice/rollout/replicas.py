@@ -9,6 +9,7 @@ many engines' ``stats()`` into one.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -132,9 +133,12 @@ async def engine_fingerprint(engine: Any) -> tuple[int, float]:
 
 
 def as_replica(engine: Any) -> Replica:
-    """``engine`` as a ``Replica``: adapters pass through, Ray actor handles become ``RayReplica``,
-    anything else is taken for an in-process ``InferenceEngine``."""
-    if isinstance(engine, LocalReplica | RayReplica):
+    """``engine`` as a ``Replica``: adapters and other replicas (whose verbs are coroutines) pass
+    through, Ray actor handles become ``RayReplica``, anything else is taken for an in-process
+    ``InferenceEngine``."""
+    if isinstance(engine, LocalReplica | RayReplica) or inspect.iscoroutinefunction(
+        getattr(engine, "update_weights", None)
+    ):
         return engine
     if "ray" in sys.modules:  # only a program that imported Ray can hold an actor handle
         from ray.actor import ActorHandle
