@@ -4,7 +4,7 @@ import asyncio
 
 from fakes import FakeAlgorithm, FakeInferenceEngine
 from sluice.api import PromptItem, SamplingParams
-from sluice.rollout.single_turn import SingleTurnWorkflow, group_stats, sample_seed
+from sluice.rollout.single_turn import SingleTurnWorkflow, sample_seed
 from sluice.trainer.step import plan_step, step_normaliser
 
 
@@ -39,8 +39,6 @@ def test_workflow_seeds_groups_and_rewards():
         assert s.reward == float(text.startswith("1"))
     again = asyncio.run(wf.run(item, 7, FakeInferenceEngine(), _reward))
     assert again == samples
-    stats = group_stats(samples)
-    assert 0.0 <= stats["reward_mean"] <= 1.0
 
 
 def test_plan_step_shares_the_step_normaliser():

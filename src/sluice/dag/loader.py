@@ -42,24 +42,6 @@ class IndexPrompts:
         return list(shard_range(self.count, rank, size))
 
 
-@dataclass(frozen=True)
-class JsonlPrompts:
-    """A JSONL file of rows; each worker parses only the lines of its shard."""
-
-    path: str
-
-    def __len__(self) -> int:
-        with open(self.path) as f:
-            return sum(1 for line in f if line.strip())
-
-    def load(self, rank: int, size: int) -> list[dict[str, Any]]:
-        import json
-
-        with open(self.path) as f:
-            lines = [line for line in f if line.strip()]
-        return [json.loads(lines[i]) for i in shard_range(len(lines), rank, size)]
-
-
 class ShardLoader:
     """One worker's shard of a ``PromptSource``, in order, epoch after epoch."""
 

@@ -235,8 +235,3 @@ def network_isolation_available() -> bool:
         return False
     probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "true"], capture_output=True)
     return probe.returncode == 0
-
-
-def bwrap_available() -> bool:
-    """Whether the default ``bwrap`` isolation works here."""
-    return bwrap_problem() is None

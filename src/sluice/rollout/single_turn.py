@@ -122,19 +122,3 @@ class SingleTurnWorkflow:
             reward=float("nan") if isinstance(score, RewardFailure) else score,
             meta=meta,
         )
-
-
-def group_stats(samples: Sequence[Sample]) -> dict[str, float]:
-    """Batch-level rollout statistics: mean reward, response length, share of groups with signal."""
-    by_group: dict[int, list[float]] = {}
-    for s in samples:
-        by_group.setdefault(s.group_id, []).append(s.reward)
-    mixed = sum(1 for rs in by_group.values() if max(rs) != min(rs))
-    n = max(len(samples), 1)
-    return {
-        "reward_mean": sum(s.reward for s in samples) / n,
-        "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
-        "response_len_max": float(max((len(s.response_ids) for s in samples), default=0)),
-        "groups_with_signal": mixed / max(len(by_group), 1),
-        "truncated": sum(s.meta.get("finish_reason") == "length" for s in samples) / n,
-    }
