@@ -210,9 +210,9 @@ class RLTrainer:
             run.close_logs(failed=True)  # the trackers' runs end (wandb's marked failed); the error propagates
             raise
         run.close_logs()
+        self.tokenizer.save_pretrained(run.final_model_dir)
         if cfg.tracking.plot:
             plot_run(self.run_dir)
-        self.tokenizer.save_pretrained(run.final_model_dir)
         minutes = (time.monotonic() - run.started) / 60
         return FitResult(
             base.accuracy, final.accuracy, run.version, minutes, run.loop_seconds, run.run_dir, run.final_model_dir
