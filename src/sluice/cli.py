@@ -1,5 +1,5 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``plan``, ``simulate``,
-``plan-dag``, ``config-docs``.
+"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``plot``, ``plan``,
+``simulate``, ``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2. All work is delegated to
@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("path", help="run directory or trace JSON file")
     trace.add_argument("-o", "--output", help="PNG path (default: next to the trace, trace.png)")
     trace.set_defaults(func=_trace)
+    plot = sub.add_parser("plot", help="draw a run's curves (metrics.jsonl) to a PNG: reward, accuracy, length, ...")
+    plot.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
+    plot.add_argument("-o", "--output", help="PNG path (default: RUN_DIR/plot.png)")
+    plot.set_defaults(func=_plot)
     from sluice.sim.commands import add_commands
 
     add_commands(sub)  # plan, simulate
@@ -149,6 +153,13 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from sluice.telemetry.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.output)}")
+    return 0
+
+
 def _plan_dag(args: argparse.Namespace) -> int:
     from sluice.dag import compile_dag, load_dag
 
@@ -166,8 +177,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from sluice.dag.spec import DagError
     from sluice.engines.hf_model import ModelPathError
     from sluice.tasks.dataset import DatasetError
+    from sluice.telemetry.plot import MetricsFileError
 
-    return (ConfigError, DatasetError, ModelPathError, DagError)
+    return (ConfigError, DatasetError, ModelPathError, DagError, MetricsFileError)
 
 
 if __name__ == "__main__":

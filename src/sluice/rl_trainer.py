@@ -47,6 +47,7 @@ from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.dataset import DatasetError, PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
+from sluice.telemetry.plot import plot_run
 from sluice.trainer.worker import TRAIN_TASK
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class RLTrainer:
     def fit(self, progress: TrainProgress | None = None) -> FitResult:
         """Run the whole training (``run.mode``: the sync or the async schedule of the same
         workers): base eval, the loop, final eval, the final model saved as an HF folder,
-        metrics and the timeline trace."""
+        metrics, samples and the timeline trace; the trackers closed, ``plot.png`` drawn."""
         cfg = self.config
         if not self._engines_ready:
             self.init_engines()
@@ -196,14 +197,22 @@ class RLTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints, resumed_from, resumed = open_checkpoints(cfg, self.run_dir)
         run = TrainingRun(
-            cfg, self.run_dir, self.prompts, self.eval_items, self.max_new_tokens, checkpoints, resumed_from
-        )
+            cfg, self.run_dir, self.prompts, self.eval_items, self.max_new_tokens, checkpoints, resumed_from,
+            tokenizer=self.tokenizer,
+        )  # fmt: skip
         run.open_logs(append=resumed is not None)
         if progress is not None:
             run.progress = progress
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        base, final = asyncio.run(run_training(run, self.pipeline_spec(), resumed))
+        try:
+            base, final = asyncio.run(run_training(run, self.pipeline_spec(), resumed))
+        except BaseException:
+            run.close_logs(failed=True)  # the trackers' runs end (wandb's marked failed); the error propagates
+            raise
+        run.close_logs()
         self.tokenizer.save_pretrained(run.final_model_dir)
+        if cfg.tracking.plot:
+            plot_run(self.run_dir)
         minutes = (time.monotonic() - run.started) / 60
         return FitResult(
             base.accuracy, final.accuracy, run.version, minutes, run.loop_seconds, run.run_dir, run.final_model_dir

@@ -15,7 +15,9 @@ from sluice.config.section import Section as _Section
 class TrackingConfig(_Section):
     trackers: tuple[Literal["tensorboard", "wandb"], ...] = ()
     """Metric sinks beside ``metrics.jsonl`` (any together): ``tensorboard`` (event files in
-    ``<run dir>/tensorboard``; needs ``pip install 'sluice[track]'``), ``wandb``."""
+    ``<run dir>/tensorboard``), ``wandb`` (a run under ``<run dir>/wandb`` with the run's config).
+    Both need ``pip install 'sluice[track]'``; every train and eval record goes to each as
+    ``train/<key>`` / ``eval/<key>`` scalars at its step (docs/tracking.md)."""
 
     wandb_project: str = "sluice"
     """wandb project name."""

@@ -32,6 +32,7 @@ from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
+from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.sections import algorithm_of, critic_of
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
@@ -168,6 +169,9 @@ class LocalPipeline(_Pipeline):
 
     async def trained_ids(self) -> list[str]:
         return self.trainer.trained_ids()
+
+    async def trained_samples(self, count: int) -> list[SampleSummary]:
+        return self.trainer.trained_samples(count)
 
     async def save_state(self, path: str) -> None:
         await self._in_trainer(self.trainer.save_state, path)

@@ -28,6 +28,7 @@ from sluice.dag.node_worker import NodeTaskWorker
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
 from sluice.tasks.dataset import PromptStream
+from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
 
 
@@ -156,6 +157,9 @@ class RayPipeline(_Pipeline):
 
     async def trained_ids(self) -> list[str]:
         return await self.trainer_actor.trained_ids.remote()  # rank 0 holds every rank's
+
+    async def trained_samples(self, count: int) -> list[SampleSummary]:
+        return await self.trainer_actor.trained_samples.remote(count)  # a few, as token ids
 
     async def save_state(self, path: str) -> None:
         await self.trainer_actor.save_state.remote(path)  # the ranks are replicas

@@ -2,9 +2,11 @@
 
 ``TrainingRun`` holds the resolved config, the run's folder and logs, the prompt stream and the
 held-out set, the checkpoint store and (with ``run.resume``) the state being continued, and it
-logs what the loop reports (steps, evaluations). The loop (``controller/training.py``) and the
-checkpoint code (``controller/resume.py``) read and update it through these fields and methods;
-nothing assigns new attributes onto it and nothing reaches into ``sluice.RLTrainer``.
+logs what the loop reports (steps, evaluations, a few decoded samples) to ``metrics.jsonl``,
+``samples.jsonl`` and the trackers of ``tracking.trackers`` (``telemetry/trackers.py``). The loop
+(``controller/training.py``) and the checkpoint code (``controller/resume.py``) read and update it
+through these fields and methods; nothing assigns new attributes onto it and nothing reaches into
+``sluice.RLTrainer``.
 
 Deliberately not here: workers, engines, scheduling (the controller), file layouts
 (``controller/checkpoint.py``).
@@ -22,10 +24,13 @@ from sluice.controller.checkpoint import CheckpointStore
 from sluice.rollout.evaluate import EvalResult
 from sluice.tasks.dataset import PromptStream
 from sluice.telemetry import JsonlMetrics, TrainProgress
+from sluice.telemetry.samples import SampleSummary, TokenDecoder, sample_rows
+from sluice.telemetry.trackers import Trackers, open_trackers
 
 METRICS_LOG = "metrics.jsonl"
 TRAINED_IDS_LOG = "trained_ids.jsonl"
-LOGS = (METRICS_LOG, TRAINED_IDS_LOG)
+SAMPLES_LOG = "samples.jsonl"
+LOGS = (METRICS_LOG, TRAINED_IDS_LOG, SAMPLES_LOG)
 
 
 @dataclass
@@ -41,10 +46,15 @@ class TrainingRun:
     checkpoints: CheckpointStore
     resumed_from: Path | None = None
     """The checkpoint folder this run continues (``run.resume``), else ``None``."""
+    tokenizer: TokenDecoder | None = None
+    """Decodes the samples of ``samples.jsonl`` (``tracking.samples_every``)."""
     progress: TrainProgress = field(default_factory=lambda: TrainProgress(0, enabled=False))
     metrics: JsonlMetrics = field(default_factory=lambda: JsonlMetrics(None))
     trained_ids_log: JsonlMetrics = field(default_factory=lambda: JsonlMetrics(None))
     """One record per step: the ids (``Sample.uid``) of the samples it trained."""
+    samples_log: JsonlMetrics = field(default_factory=lambda: JsonlMetrics(None))
+    """Every ``tracking.samples_every`` steps, a few of the step's trained samples as text."""
+    trackers: Trackers = field(default_factory=Trackers)
     version: int = 0
     base_eval: EvalResult | None = None
     loop_seconds: float = 0.0
@@ -54,9 +64,16 @@ class TrainingRun:
     _last_accuracy: float | None = None
 
     def open_logs(self, *, append: bool) -> None:
-        """Start (or, resuming, continue) the run's JSONL logs in ``run_dir``."""
+        """Start (or, resuming, continue) the run's JSONL logs in ``run_dir`` and its trackers."""
         self.metrics = JsonlMetrics(self.run_dir / METRICS_LOG, append=append)
         self.trained_ids_log = JsonlMetrics(self.run_dir / TRAINED_IDS_LOG, append=append)
+        self.samples_log = JsonlMetrics(self.run_dir / SAMPLES_LOG, append=append)
+        dump = self.config.model_dump(mode="json")
+        self.trackers = open_trackers(self.config.tracking, self.run_dir, dump, resume=append)
+
+    def close_logs(self, *, failed: bool = False) -> None:
+        """End the trackers' runs (wandb's is marked failed when the run raised)."""
+        self.trackers.close(failed)
 
     @property
     def final_model_dir(self) -> Path:
@@ -70,11 +87,23 @@ class TrainingRun:
         every = self.config.run.checkpoint_every
         return bool(every) and version % every == 0
 
+    def samples_due(self, version: int) -> bool:
+        every = self.config.tracking.samples_every
+        return bool(every) and version % every == 0
+
     def log_eval(self, result: EvalResult, step: int | None = None) -> EvalResult:
         self._last_accuracy = result.accuracy
         by_bucket = {f"accuracy_{k}": v for k, v in result.by_bucket.items()}
-        self.metrics.log("eval", step=self.version if step is None else step, accuracy=result.accuracy, **by_bucket)
+        step = self.version if step is None else step
+        record = self.metrics.log("eval", step=step, accuracy=result.accuracy, **by_bucket)
+        self.trackers.log_record("eval", step, record)
         return result
+
+    def log_samples(self, version: int, summaries: list[SampleSummary]) -> None:
+        """Step ``version``'s chosen samples, decoded, to ``samples.jsonl`` and the trackers."""
+        assert self.tokenizer is not None, "TrainingRun.tokenizer decodes the samples"
+        rows = [self.samples_log.log("sample", **row) for row in sample_rows(version, summaries, self.tokenizer)]
+        self.trackers.log_samples(version, rows)
 
     def log_step(self, version: int, stats: dict[str, float], metrics: dict[str, float]) -> bool:
         """Log one step (after any due evaluation); False stops the run (``run.max_minutes``)."""
@@ -83,7 +112,8 @@ class TrainingRun:
         step_s = now - self._last_step_at
         record = {**stats, **metrics, "step_s": step_s, "tokens_per_s": stats["trained_tokens"] / max(step_s, 1e-9)}
         self._last_step_at = time.monotonic()
-        self.metrics.log("train", step=version, **record)
+        logged = self.metrics.log("train", step=version, **record)
+        self.trackers.log_record("train", version, logged)
         self.progress.update(
             version, reward=record["reward_mean"], acc=self._last_accuracy, tok_s=record["tokens_per_s"]
         )

@@ -5,7 +5,8 @@ staleness bound, ``run.mode: sync`` the same controller and workers with the bar
 (admit a step's groups, wait for all of them, train, sync weights). It places the workers
 (``controller/pipelines.py``, ``controller/ray_pipeline.py``), runs the base and final
 evaluations on the rollout engine, turns group reports into per-step statistics, saves the final
-model and writes the timeline (``trace.json``) and the sample-fate counters. It adds no
+model and writes the timeline (``trace.json``), the sample-fate counters and, every
+``tracking.samples_every`` steps, a few of the trained samples (``samples.jsonl``). It adds no
 scheduling logic of its own.
 """
 
@@ -70,6 +71,8 @@ async def run_training(
             if run.eval_due(version):
                 run.log_eval(await pipeline.evaluate(run.eval_items, max_new), version)
             keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
+            if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
+                run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))
             if run.checkpoint_due(version):
                 await save_checkpoint(run, controller, pipeline, version)
             return keep_going

@@ -30,6 +30,7 @@ from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, TrainEngine, 
 from sluice.config import TrainerConfig
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
+from sluice.telemetry.samples import SampleSummary, summarize_samples
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import AllReducedEngine, DataParallelGroup, free_tcp_address
@@ -96,6 +97,8 @@ class TrainerWorker:
         """The step position of each held sample's group (the data-parallel ranks' common order)."""
         self._timing: dict[str, float] = {}
         self._trained_uids: list[str] = []
+        self._trained: list[Sample] = []
+        """The last finished step's samples, every rank's (``trained_samples`` shows a few)."""
         self.dp: DataParallelGroup | None = None
         self.updater: TrainEngine = self.engine
         """What takes optimizer updates: the engine, or the engine behind the ranks' all-reduce."""
@@ -234,6 +237,7 @@ class TrainerWorker:
             mean = sum(s.reward for s in samples) / max(len(samples), 1)
             metrics = {**metrics, f"{self.reward_column}_mean": mean}
         self._trained_uids = [s.uid for s in samples]
+        self._trained = samples
         self._step = None
         return {
             "optimizer_steps": 1.0,
@@ -262,6 +266,11 @@ class TrainerWorker:
     def trained_ids(self) -> list[str]:
         """Ids (``Sample.uid``) of the samples the last finished step trained, every rank's."""
         return list(self._trained_uids)
+
+    def trained_samples(self, count: int) -> list[SampleSummary]:
+        """``count`` of the last finished step's samples, spread over it, as token ids and numbers
+        (small: what a Ray trainer returns for the run's ``samples.jsonl``)."""
+        return summarize_samples(self._trained, count)
 
     def save_state(self, path: str) -> None:
         """Checkpoint between steps: weights and optimizer (``path`` becomes an HF folder), this
