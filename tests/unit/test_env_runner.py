@@ -156,3 +156,21 @@ def test_held_out_evaluation_plays_one_greedy_episode_per_row():
     assert len(factory.envs) == 6 and all(env.closed for env in factory.envs)
     wins = [float(bool(env.actions[0])) for n, env in enumerate(factory.envs) if n != 3]  # env 3 crashed: a miss
     assert result.count == 6 and 0 < result.accuracy == pytest.approx(sum(wins) / 6)
+
+
+def test_sampled_held_out_episodes_give_mean_and_pass_at_k():
+    from sluice.config.data import EvalConfig
+    from sluice.rollout.agentic import evaluate_episodes
+
+    # env n is the n-th episode started: greedy rows 0-3, then row i's samples 4 + 2i, 5 + 2i;
+    # crashed episodes are misses: greedy row 1, both samples of row 0, the first of row 1
+    factory = EnvFactory(lambda n: {"fail": (0, "raise")} if n in (1, 4, 5, 6) else {})
+    runner, _ = _runner(factory)
+    items = [PromptItem(i, "", (), {}) for i in range(4)]
+    result = run_virtual(evaluate_episodes(runner.episodes, items, EvalConfig(samples=2, temperature=0.5)))
+    engine = runner.episodes.engine
+    assert {r.params.temperature for r in engine.requests} == {0.0, 0.5}
+    assert len(factory.envs) == 4 + 4 * 2
+    assert (result.samples, result.accuracy) == (2, 0.75)
+    assert (result.mean_at_k, result.pass_at_k) == (5 / 8, 0.75)
+    assert result.by_source["default"].count == 4
