@@ -25,7 +25,11 @@ if TYPE_CHECKING:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, stray = parser.parse_known_args(argv)
+    if stray and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in stray):
+        args.overrides = [*args.overrides, *stray]  # key=value after an option: `eval M --data F k=v`
+    elif stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
