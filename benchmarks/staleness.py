@@ -195,7 +195,7 @@ def main() -> None:
     etas = [int(e) for e in args.etas.split(",")]
     if args.quick:
         etas = [0, 2]
-        common = ["run.steps=3", "run.eval_every=0", "rollout.prompts_per_step=8", mini_batches]
+        common = ["run.steps=3", "run.eval_every=1000", "rollout.prompts_per_step=8", mini_batches]  # base, final
     common.append(f"model.path={shared_base_model()}")
     cells = grid(etas, args.seeds_high, max(etas))
     rows: list[dict[str, Any]] = []

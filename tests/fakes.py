@@ -556,3 +556,37 @@ class FakeToolEnv(FakeEnv):
 
     def tools(self) -> Sequence[Mapping[str, Any]]:
         return self.TOOLS
+
+
+class ScriptedEvalEngine:
+    """An ``InferenceEngine`` for evaluation tests: ``script[p]`` answers prompts starting with
+    token ``p``: its first token to the greedy request (temperature 0), the next ones to the
+    sampled requests in arrival order; one token per response."""
+
+    def __init__(self, script: Mapping[int, Sequence[int]]) -> None:
+        self.script = script
+        self.requests: list[GenerationRequest] = []
+        self._sampled: dict[int, int] = {}
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self.requests.append(request)
+        prompt = request.prompt_ids[0]
+        turn = 0
+        if request.params.temperature > 0:
+            turn = self._sampled[prompt] = self._sampled.get(prompt, 0) + 1
+        token = self.script[prompt][turn]
+        return Completion(request.request_id, request.prompt_ids, (token,), (-0.5,), (0,), "stop")
+
+
+class DigitTokenizer:
+    """Decodes token ids as their decimal digits (``[2] -> "2"``), for ``ScriptedEvalEngine``."""
+
+    eos_token_id = 99
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(str(i) for i in ids)
+
+
+def half_digit_reward(response: str, **_: Any) -> float:
+    """Reward of a one-digit response ``d``: ``d / 2`` (``2`` is the only correct answer)."""
+    return int(response) / 2

@@ -13,4 +13,5 @@ trainer = RLTrainer(config, reward=reward)
 trainer.init_engines()  # base model -> inference + train engines (or Ray workers in async mode)
 trainer.load_prompt_data()  # or load_prompt_data([{"prompt": "12>", "answer": "21"}, ...])
 result = trainer.fit()  # admit -> generate -> score -> store -> train -> sync weights, per step
-print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}")
+if result.base_accuracy is not None and result.final_accuracy is not None:  # None with run.eval_every=0
+    print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}")

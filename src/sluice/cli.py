@@ -13,15 +13,23 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from sluice.config import ConfigError, dump_config, load_config
 
+if TYPE_CHECKING:
+    from sluice.rollout.evaluate import EvalScores
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, stray = parser.parse_known_args(argv)
+    if stray and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in stray):
+        args.overrides = [*args.overrides, *stray]  # key=value after an option: `eval M --data F k=v`
+    elif stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
@@ -40,9 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
-    ev = sub.add_parser("eval", help="greedy held-out accuracy of a model folder")
+    ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
     ev.add_argument("model_dir")
-    ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. task.eval_prompts=200")
+    ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.samples=4 reward.name=...")
+    ev.add_argument("--data", metavar="FILE", help="validation rows (JSONL; default: the task's held-out set)")
     ev.set_defaults(func=_eval)
     bench = sub.add_parser("bench", help="end-to-end benchmarks (bench e2e: sync vs streaming vs async)")
     bench.add_argument("kind", choices=["e2e"])
@@ -103,7 +112,8 @@ def _train(args: argparse.Namespace) -> int:
     with TrainProgress(cfg.run.steps, "train", cfg.run.progress, console) as bar:
         result = trainer.fit(progress=bar)
     console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
-    print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
+    if result.base_accuracy is not None and result.final_accuracy is not None:
+        print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
     return 0
 
 
@@ -113,11 +123,28 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = load_config(None, [*args.overrides, f"model.path={args.model_dir}"])
     trainer = RLTrainer(cfg)
     trainer.init_engines(train=False)
-    trainer.load_prompt_data()
+    if args.data:
+        trainer.load_eval_data(args.data)
+    else:
+        trainer.load_prompt_data()
     result = trainer.evaluate()
-    buckets = "  ".join(f"{k} {100 * v:.1f}" for k, v in result.by_bucket.items())
-    print(f"accuracy {100 * result.accuracy:.1f}  ({result.count} held-out prompts, greedy)  {buckets}".rstrip())
+    what = args.data or "held-out"
+    sampled = f", {result.samples} samples at T={cfg.eval.temperature}" if result.samples else ""
+    print(f"{_scores(result, result.samples)}  ({result.count} {what} prompts, greedy{sampled})")
+    if len(result.by_source) > 1 or args.data:
+        for source, scores in result.by_source.items():
+            print(f"  {source}: {_scores(scores, result.samples)}  ({scores.count} prompts)")
+    buckets = "  ".join(f"{k} {100 * v.accuracy:.1f}" for k, v in result.by_bucket.items())
+    if buckets:
+        print(f"  by bucket: {buckets}")
     return 0
+
+
+def _scores(scores: EvalScores, k: int) -> str:
+    text = f"accuracy {100 * scores.accuracy:.1f}"
+    if scores.mean_at_k is not None and scores.pass_at_k is not None:
+        text += f"  mean@{k} {100 * scores.mean_at_k:.1f}  pass@{k} {100 * scores.pass_at_k:.1f}"
+    return text
 
 
 def _bench(args: argparse.Namespace) -> int:

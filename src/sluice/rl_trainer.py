@@ -11,7 +11,7 @@ over this class.
 
     trainer = RLTrainer(load_config(None, ["run.steps=50"]))
     result = trainer.fit()
-    print(result.base_accuracy, "->", result.final_accuracy)
+    print(result.base_accuracy, "->", result.final_accuracy)  # None with run.eval_every=0
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sluice.api import RewardFn, SamplingParams
+from sluice.api import PromptItem, RewardFn, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config
 from sluice.config.agentic import check_agentic
 from sluice.controller.pipelines import PipelineSpec
@@ -55,8 +55,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FitResult:
-    base_accuracy: float
-    final_accuracy: float
+    base_accuracy: float | None
+    """Greedy accuracy before training (``None``: the run does not evaluate, ``run.eval_every: 0``
+    or no evaluation set)."""
+    final_accuracy: float | None
+    """Greedy accuracy of the final model (``None`` likewise)."""
     steps: int
     minutes: float
     """The whole ``fit``, evaluations included."""
@@ -81,6 +84,8 @@ class RLTrainer:
         self.model_dir: Path | None = None
         self._engines_ready = False
         self._data_ready = False
+        self.eval_items: list[PromptItem] | None = None
+        """What evaluations run on (``load_prompt_data`` / ``load_eval_data``)."""
         self._step_by_step: StepByStep | None = None
         self._next_group = 0
         self.discarded: Counter[str] = Counter()
@@ -135,10 +140,26 @@ class RLTrainer:
         self.prompts = PromptStream(items, self.config.run.seed)
         self._data_ready = True
 
+    def load_eval_data(self, path: str | Path) -> None:
+        """A user's validation rows (a JSONL file) as the evaluation set, in place of the task's
+        held-out set (``sluice eval --data``)."""
+        self._require_engines()
+        rows = read_jsonl(path)  # the one reader of evaluation files
+        self.eval_items = to_prompt_items(rows, self.tokenizer, source=f"{path} row")
+
     def evaluate(self) -> EvalResult:
-        """Greedy accuracy of the model on the held-out set (``init_engines(train=False)``)."""
-        self._require_data()
-        return evaluate(self.engine, self.eval_items, self.tokenizer, self.reward_service, self.max_new_tokens)
+        """The model's scores on the evaluation set (``init_engines(train=False)``, then
+        ``load_prompt_data`` or ``load_eval_data``): greedy accuracy and, with ``eval.samples``,
+        mean@k / pass@k; overall and per ``data_source``."""
+        if self.eval_items is None:
+            raise RuntimeError("call load_prompt_data() or load_eval_data() first")
+        if not self.eval_items:
+            raise DatasetError("nothing to evaluate: the evaluation set is empty (data.val_files gives one)")
+        cfg = self.config
+        return evaluate(
+            self.engine, self.eval_items, self.tokenizer, self.reward_service, self.max_new_tokens, cfg.eval,
+            seed=cfg.run.seed,
+        )  # fmt: skip
 
     # -- the loop by hand: the same workers as fit, one verb at a time -------------------------
 
@@ -187,8 +208,9 @@ class RLTrainer:
 
     def fit(self, progress: TrainProgress | None = None) -> FitResult:
         """Run the whole training (``run.mode``: the sync or the async schedule of the same
-        workers): base eval, the loop, final eval, the final model saved as an HF folder,
-        metrics, samples and the timeline trace; the trackers closed, ``plot.png`` drawn."""
+        workers): base eval, the loop (an eval every ``run.eval_every`` steps), final eval (none
+        with ``run.eval_every: 0`` or an empty evaluation set), the final model saved as an HF
+        folder, metrics, samples and the timeline trace; the trackers closed, ``plot.png`` drawn."""
         cfg = self.config
         if not self._engines_ready:
             self.init_engines()
@@ -197,7 +219,7 @@ class RLTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints, resumed_from, resumed = open_checkpoints(cfg, self.run_dir)
         run = TrainingRun(
-            cfg, self.run_dir, self.prompts, self.eval_items, self.max_new_tokens, checkpoints, resumed_from,
+            cfg, self.run_dir, self.prompts, self.eval_items or [], self.max_new_tokens, checkpoints, resumed_from,
             tokenizer=self.tokenizer,
         )  # fmt: skip
         run.open_logs(append=resumed is not None)
@@ -215,7 +237,13 @@ class RLTrainer:
             plot_run(self.run_dir)
         minutes = (time.monotonic() - run.started) / 60
         return FitResult(
-            base.accuracy, final.accuracy, run.version, minutes, run.loop_seconds, run.run_dir, run.final_model_dir
+            None if base is None else base.accuracy,
+            None if final is None else final.accuracy,
+            run.version,
+            minutes,
+            run.loop_seconds,
+            run.run_dir,
+            run.final_model_dir,
         )
 
     def pipeline_spec(self) -> PipelineSpec:

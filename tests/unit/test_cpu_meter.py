@@ -52,3 +52,13 @@ def test_the_bench_table_shows_the_cpu_bound() -> None:
     line = format_table([row, {**row, "cpu_s": None, "cpu_bound_s": None}]).splitlines()
     assert "24.0" in line[2] and "12.0" in line[2]
     assert line[3].count("n/a") == 2
+
+
+def test_the_bench_table_shows_no_accuracy_for_a_run_without_evaluation() -> None:
+    row = {
+        "variant": "sync", "trained_tokens_per_s": 100.0, "loop_s": 10.0, "trainer_idle_fraction": 0.5,
+        "exposed_weight_sync_s": 0.0, "staleness": {"0": 3.0}, "base_accuracy": 0.1, "final_accuracy": 0.2,
+        "cpu_s": 24.0, "cpu_bound_s": 12.0,
+    }  # fmt: skip
+    lines = format_table([row, {**row, "base_accuracy": None, "final_accuracy": None}]).splitlines()
+    assert lines[2].endswith("10.0→20.0") and lines[3].endswith("n/a")  # run.eval_every=0: None accuracies

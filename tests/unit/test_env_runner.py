@@ -182,3 +182,21 @@ def test_a_tool_env_shows_its_tools_in_the_first_prompt_and_its_group_reaches_th
     first = "".join(chr(i) for i in engine.requests[0].prompt_ids)  # SimTokenizer: one id per character
     assert "echo" in first and first.endswith("|start")
     assert sorted(queue.sync.rows) == [14, 15] and all(set(SAMPLE_COLUMNS) <= set(r) for r in queue.sync.rows.values())
+
+
+def test_sampled_held_out_episodes_give_mean_and_pass_at_k():
+    from sluice.config.data import EvalConfig
+    from sluice.rollout.agentic import evaluate_episodes
+
+    # env n is the n-th episode started: greedy rows 0-3, then row i's samples 4 + 2i, 5 + 2i;
+    # crashed episodes are misses: greedy row 1, both samples of row 0, the first of row 1
+    factory = EnvFactory(lambda n: {"fail": (0, "raise")} if n in (1, 4, 5, 6) else {})
+    runner, _ = _runner(factory)
+    items = [PromptItem(i, "", (), {}) for i in range(4)]
+    result = run_virtual(evaluate_episodes(runner.episodes, items, EvalConfig(samples=2, temperature=0.5)))
+    engine = runner.episodes.engine
+    assert {r.params.temperature for r in engine.requests} == {0.0, 0.5}
+    assert len(factory.envs) == 4 + 4 * 2
+    assert (result.samples, result.accuracy) == (2, 0.75)
+    assert (result.mean_at_k, result.pass_at_k) == (5 / 8, 0.75)
+    assert result.by_source["default"].count == 4

@@ -37,6 +37,10 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
+BASE_AND_FINAL = 1_000_000
+"""``run.eval_every`` of the variants: the base and final evaluations only (the accuracy column)."""
+
+
 def run_e2e(
     overrides: list[str], out_dir: str | Path = "runs/bench_e2e", variants: list[str] | None = None
 ) -> list[dict[str, Any]]:
@@ -49,7 +53,7 @@ def run_e2e(
         cfg = load_config(
             None,
             [
-                "run.eval_every=0",
+                f"run.eval_every={BASE_AND_FINAL}",
                 "run.progress=false",
                 f"run.output_dir={out_dir}",
                 *overrides,
@@ -98,7 +102,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         idle = r["trainer_idle_fraction"]
         hist = " ".join(f"{k}:{int(v)}" for k, v in sorted(r["staleness"].items(), key=lambda kv: int(kv[0])))
-        acc = f"{100 * r['base_accuracy']:.1f}→{100 * r['final_accuracy']:.1f}"
+        base_acc, final_acc = r["base_accuracy"], r["final_accuracy"]
+        acc = "n/a" if base_acc is None or final_acc is None else f"{100 * base_acc:.1f}→{100 * final_acc:.1f}"
         lines.append(
             f"{r['variant']:<13} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
             f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5} "

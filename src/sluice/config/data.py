@@ -82,8 +82,9 @@ class DataConfig(_Section):
 
 class EvalConfig(_Section):
     samples: int = Field(default=0, ge=0)
-    """Sampled evaluation: ``k`` responses per prompt at ``temperature``, reported as mean@k and
-    pass@k beside greedy accuracy (0: greedy only)."""
+    """Sampled evaluation: ``k`` responses per prompt at ``temperature``, reported as mean@k (mean
+    reward of the ``k``) and pass@k (share of prompts with a correct one: reward ≥ 1) beside greedy
+    accuracy, overall and per data source (0: greedy only)."""
 
     temperature: float = Field(default=1.0, gt=0.0)
     """Sampling temperature of the ``samples`` responses."""

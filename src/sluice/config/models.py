@@ -33,7 +33,7 @@ class RolloutConfig(_Section):
     """Hard cap on response length in tokens (``null``: the task's own cap)."""
 
     temperature: float = Field(default=1.0, gt=0.0)
-    """Sampling temperature of training rollouts (evaluation is always greedy)."""
+    """Sampling temperature of training rollouts (evaluation: greedy, and ``eval.temperature``)."""
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling threshold of training rollouts."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from sluice.api import GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
 from sluice.config import SluiceConfig
+from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.planner import compile_dag
@@ -155,8 +156,8 @@ class LocalPipeline(_Pipeline):
         self.engine_version = version
         return metrics
 
-    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
-        return await self.rollout_worker.evaluate(items, max_new_tokens)
+    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
+        return await self.rollout_worker.evaluate(items, max_new_tokens, config)
 
     async def engine_stats(self) -> dict[str, float]:
         return await self.rollout_worker.engine_stats()

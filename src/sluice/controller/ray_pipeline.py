@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 from sluice.api import GroupReport, PromptItem
+from sluice.config.data import EvalConfig
 from sluice.controller.pipelines import (
     PipelineSpec,
     _Pipeline,
@@ -141,8 +142,8 @@ class RayPipeline(_Pipeline):
         self.engine_version = version
         return metrics
 
-    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
-        return await self.rollout_actor.evaluate.remote(list(items), max_new_tokens)
+    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
+        return await self.rollout_actor.evaluate.remote(list(items), max_new_tokens, config)
 
     async def engine_stats(self) -> dict[str, float]:
         return await self.rollout_actor.engine_stats.remote()

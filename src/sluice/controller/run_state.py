@@ -79,9 +79,15 @@ class TrainingRun:
     def final_model_dir(self) -> Path:
         return self.run_dir / "final_model"
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates at all: ``run.eval_every > 0`` and a non-empty evaluation set."""
+        return bool(self.config.run.eval_every) and bool(self.eval_items)
+
     def eval_due(self, version: int) -> bool:
+        """A periodic evaluation after step ``version`` (the last step's is the final evaluation)."""
         cfg = self.config.run
-        return bool(cfg.eval_every) and version % cfg.eval_every == 0 and version < cfg.steps
+        return self.evaluates and version % cfg.eval_every == 0 and version < cfg.steps
 
     def checkpoint_due(self, version: int) -> bool:
         every = self.config.run.checkpoint_every
@@ -92,10 +98,10 @@ class TrainingRun:
         return bool(every) and version % every == 0
 
     def log_eval(self, result: EvalResult, step: int | None = None) -> EvalResult:
+        """An ``eval`` record: overall, per-source and per-bucket scores (``EvalResult.metrics``)."""
         self._last_accuracy = result.accuracy
-        by_bucket = {f"accuracy_{k}": v for k, v in result.by_bucket.items()}
         step = self.version if step is None else step
-        record = self.metrics.log("eval", step=step, accuracy=result.accuracy, **by_bucket)
+        record = self.metrics.log("eval", step=step, **result.metrics())
         self.trackers.log_record("eval", step, record)
         return result
 

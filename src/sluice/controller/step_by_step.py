@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from sluice.api import GroupReport, PromptItem
 from sluice.config import SluiceConfig
+from sluice.config.data import EvalConfig
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.training import place_pipeline
@@ -71,8 +72,8 @@ class StepByStep:
         """The engines load the trainer's newest version (returns the sync's timings)."""
         return self._call(self.pipeline.sync_weights(self.version))
 
-    def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
-        return self._call(self.pipeline.evaluate(items, max_new_tokens))
+    def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
+        return self._call(self.pipeline.evaluate(items, max_new_tokens, config))
 
     def save(self, path: str) -> None:
         """The trained policy as an HF folder."""

@@ -3,8 +3,9 @@
 Every mode runs here: ``run.mode: async`` is the controller's streaming schedule under the
 staleness bound, ``run.mode: sync`` the same controller and workers with the barrier schedule
 (admit a step's groups, wait for all of them, train, sync weights). It places the workers
-(``controller/pipelines.py``, ``controller/ray_pipeline.py``), runs the base and final
-evaluations on the rollout engine, turns group reports into per-step statistics, saves the final
+(``controller/pipelines.py``, ``controller/ray_pipeline.py``), runs the base, periodic
+(``run.eval_every``) and final evaluations on the rollout engine (none with ``run.eval_every: 0``
+or an empty evaluation set), turns group reports into per-step statistics, saves the final
 model and writes the timeline (``trace.json``), the sample-fate counters and, every
 ``tracking.samples_every`` steps, a few of the trained samples (``samples.jsonl``). It adds no
 scheduling logic of its own.
@@ -12,6 +13,7 @@ scheduling logic of its own.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from sluice.config import SluiceConfig
@@ -26,6 +28,8 @@ from sluice.rollout.evaluate import EvalResult
 from sluice.tasks.dataset import PromptStream
 from sluice.telemetry.cpu import CpuMeter
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
+
+log = logging.getLogger(__name__)
 
 ENGINE_SYNC_STATS = (
     "weight_updates",
@@ -49,17 +53,22 @@ def place_pipeline(config: SluiceConfig, spec: PipelineSpec, prompts: PromptStre
 
 async def run_training(
     run: TrainingRun, spec: PipelineSpec, resumed: DriverState | None
-) -> tuple[EvalResult, EvalResult]:
-    """Place the workers, run ``run.config.run.steps`` steps, evaluate before and after."""
+) -> tuple[EvalResult | None, EvalResult | None]:
+    """Place the workers, run ``run.config.run.steps`` steps, evaluate before, every
+    ``run.eval_every`` steps and after; the evaluations are ``None`` when the run has none."""
     cfg = run.config
+    if not cfg.run.eval_every:
+        log.info("no evaluation: run.eval_every is 0")
+    elif not run.eval_items:
+        log.warning("no evaluation: the evaluation set is empty (data.val_files gives one)")
     pipeline = place_pipeline(cfg, spec, run.prompts)
-    max_new = run.max_new_tokens
     try:
         if resumed is None:
-            base = run.log_eval(await pipeline.evaluate(run.eval_items, max_new))
+            base = await _evaluate(run, pipeline)
         else:  # trainer state, engines at its version, the queue's untrained rows
             base = await restore_checkpoint(run, pipeline, resumed)
         run.base_eval = base
+        before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
         gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.rollout.forced_lag)
         env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
         ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
@@ -69,7 +78,7 @@ async def run_training(
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
             if run.eval_due(version):
-                run.log_eval(await pipeline.evaluate(run.eval_items, max_new), version)
+                await _evaluate(run, pipeline, version)
             keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
             if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
                 run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))
@@ -77,7 +86,6 @@ async def run_training(
                 await save_checkpoint(run, controller, pipeline, version)
             return keep_going
 
-        await pipeline.trace_events()  # drop the base evaluation: the trace covers the loop only
         if resumed is not None:  # restart the groups that were generating at the checkpoint
             resume_controller(controller, resumed)
         cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
@@ -85,7 +93,12 @@ async def run_training(
         run.loop_seconds = time.monotonic() - started
         run.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
         await _log_run_end(run, controller, pipeline, spec)
-        final = run.log_eval(await pipeline.evaluate(run.eval_items, max_new))
+        loop = await pipeline.trace_events()
+        final = await _evaluate(run, pipeline)
+        if cfg.run.trace:  # the timeline shows the evaluations; its numbers cover the loop alone
+            after = await pipeline.trace_events()
+            write_chrome_trace(run.run_dir / "trace.json", [before if resumed is None else [], loop, after])
+            run.metrics.log("trace", **trace_numbers(loop))
         run.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
         await pipeline.save(str(run.final_model_dir))
         return base, final
@@ -93,10 +106,20 @@ async def run_training(
         pipeline.close()
 
 
+async def _evaluate(
+    run: TrainingRun, pipeline: LocalPipeline | RayPipeline, step: int | None = None
+) -> EvalResult | None:
+    """One evaluation on the rollout engines (logged), or ``None`` when the run has none."""
+    if not run.evaluates:
+        return None
+    result = await pipeline.evaluate(run.eval_items, run.max_new_tokens, run.config.eval)
+    return run.log_eval(result, step)
+
+
 async def _log_run_end(
     run: TrainingRun, controller: Controller, pipeline: LocalPipeline | RayPipeline, spec: PipelineSpec
 ) -> None:
-    """The workers' end-of-run numbers: weight fingerprints, engine and reward counters, trace."""
+    """The workers' end-of-run numbers: weight fingerprints, engine and reward counters."""
     (t_version, t_sum), (e_version, e_sum) = await pipeline.fingerprints()
     engine = await pipeline.engine_stats()
     run.metrics.log(
@@ -111,10 +134,6 @@ async def _log_run_end(
     run.metrics.log("proxy", **{k.removeprefix("proxy_"): v for k, v in engine.items() if k.startswith("proxy_")})
     if spec.agentic is not None:  # episode counters: kept, aborted stragglers, env failures
         run.metrics.log("episodes", **{k: v for k, v in engine.items() if k.startswith("env_")})
-    if run.config.run.trace:
-        events = await pipeline.trace_events()
-        write_chrome_trace(run.run_dir / "trace.json", [events])
-        run.metrics.log("trace", **trace_numbers(events))
 
 
 def step_stats(controller: Controller, chosen: list[int], version: int, metrics: dict[str, float]) -> dict[str, float]:

@@ -3,8 +3,8 @@
 ``env_rollout_spec`` resolves the ``agentic`` config section against the task (its own env, if
 any) into a picklable ``EnvRolloutSpec``; ``build_env_runner`` builds the ``EpisodeRunner`` and
 ``EnvRunner`` over the worker's engine (``LLMProxy``), queue and tokenizer;
-``evaluate_episodes`` plays one greedy episode per held-out row (success = reward ≥ 1). It
-schedules nothing itself.
+``evaluate_episodes`` plays one greedy episode per validation row and ``eval.samples`` sampled
+ones (success = reward ≥ 1). It schedules nothing itself.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Any
 
 from sluice.api import AsyncQueueClient, InferenceEngine, PromptItem, SamplingParams
 from sluice.config.agentic import AgenticConfig
+from sluice.config.data import EvalConfig
 from sluice.rollout.env_runner import EnvRunner
 from sluice.rollout.envs import env_factory
 from sluice.rollout.episode import EpisodeFailed, EpisodeLimits, EpisodeRunner
-from sluice.rollout.evaluate import EvalResult
+from sluice.rollout.evaluate import EvalResult, score_prompts
 from sluice.rollout.trajectory import ChatFormat, text_encoder
 from sluice.telemetry.trace import SpanRecorder
 
@@ -106,32 +107,43 @@ def build_env_runner(
     )
 
 
-async def evaluate_episodes(episodes: EpisodeRunner, items: list[PromptItem] | tuple[PromptItem, ...]) -> EvalResult:
-    """One greedy episode per row; accuracy = share of episodes with reward ≥ 1 (a failed episode
-    counts as a miss)."""
-    greedy = EpisodeRunner(
-        episodes.engine,
-        episodes.env_factory,
-        episodes.encode_prompt,
-        episodes.encode,
-        episodes.decode,
-        episodes.chat,
-        replace(episodes.params, temperature=0.0),
-        episodes.limits,
-        episodes.run_seed,
-    )
+async def evaluate_episodes(
+    episodes: EpisodeRunner, items: list[PromptItem] | tuple[PromptItem, ...], config: EvalConfig | None = None
+) -> EvalResult:
+    """One greedy episode per row and ``config.samples`` sampled ones at ``config.temperature``;
+    success = reward ≥ 1 (a failed episode counts as a miss), scored like single-turn rows."""
+    config = config or EvalConfig()
+    items = list(items)[: config.max_prompts]
 
-    async def one(item: PromptItem) -> float:
+    def runner(temperature: float) -> EpisodeRunner:
+        return EpisodeRunner(
+            episodes.engine,
+            episodes.env_factory,
+            episodes.encode_prompt,
+            episodes.encode,
+            episodes.decode,
+            episodes.chat,
+            replace(episodes.params, temperature=temperature),
+            episodes.limits,
+            episodes.run_seed,
+        )
+
+    greedy, hot = runner(0.0), runner(config.temperature)
+
+    async def one(player: EpisodeRunner, item: PromptItem, k: int, tag: str) -> float:
+        group = item.index if player is greedy else -1 - item.index  # sampled: seeds apart from training's
         try:
-            return (await greedy.run(item, group_id=item.index, k=0, tag="eval-g")).reward
+            return (await player.run(item, group_id=group, k=k, tag=tag)).reward
         except EpisodeFailed:
             return 0.0
 
-    rewards = await asyncio.gather(*(one(item) for item in items))
-    n = max(len(items), 1)
-    return EvalResult(
-        accuracy=sum(r >= 1.0 for r in rewards) / n, mean_reward=sum(rewards) / n, count=len(items), by_bucket={}
-    )
+    k = config.samples
+    plays = [one(greedy, item, 0, "eval-g") for item in items]
+    plays += [one(hot, item, j, "eval-s") for item in items for j in range(k)]
+    rewards = await asyncio.gather(*plays)
+    n = len(items)
+    sampled = [rewards[n + i * k : n + (i + 1) * k] for i in range(n)] if k else None
+    return score_prompts(items, rewards[:n], sampled, threshold=1.0)
 
 
 def _model_context(model_dir: str | Path) -> int:

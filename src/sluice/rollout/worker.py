@@ -24,6 +24,7 @@ import torch
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
 from sluice.config import ConfigError
+from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
 from sluice.config.models import RewardConfig, RolloutConfig
 from sluice.engines import build_inference_engine
@@ -94,6 +95,7 @@ class RolloutWorker:
             )
         self.params = params
         self.group_size = group_size = rollout.group_size
+        self.run_seed = run_seed
         self.tracer = SpanRecorder(name, enabled=trace)
         self.env_runner: EnvRunner | None = None
         self.runner: GroupRunner | EnvRunner
@@ -138,11 +140,18 @@ class RolloutWorker:
             await self.proxy.sync_weights(weights, version, mode)  # type: ignore[arg-type]
         return {"weight_fetch_s": fetched - start, "weight_load_s": time.perf_counter() - fetched}
 
-    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int) -> EvalResult:
-        with self.tracer.span("eval", lane="eval", prompts=len(items)):
+    async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
+        """Greedy (and ``config.samples`` sampled) responses to ``items`` with the current weights,
+        scored by the run's reward; an ``eval`` span on the timeline."""
+        with self.tracer.span("eval", lane="eval", prompts=len(items), samples=config.samples) as span:
             if self.env_runner is not None:  # greedy episodes, success = reward >= 1
-                return await evaluate_episodes(self.env_runner.episodes, list(items))
-            return await evaluate_async(self.proxy, items, self.tokenizer, self.reward, max_new_tokens)
+                result = await evaluate_episodes(self.env_runner.episodes, list(items), config)
+            else:
+                result = await evaluate_async(
+                    self.proxy, items, self.tokenizer, self.reward, max_new_tokens, config, seed=self.run_seed
+                )
+            span.set(prompts=result.count, accuracy=result.accuracy)
+            return result
 
     async def engine_stats(self) -> dict[str, float]:
         """Every replica's counters merged, the proxy's (``proxy_*``: routing, moves) and the reward
