@@ -99,7 +99,10 @@ def _train(args: argparse.Namespace) -> int:
     with TrainProgress(cfg.run.steps, "train", cfg.run.progress, console) as bar:
         result = trainer.fit(progress=bar)
     console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
-    print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
+    if result.base_accuracy is None or result.final_accuracy is None:
+        print("no evaluation (data.train_files without data.val_files)", flush=True)
+    else:
+        print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
     return 0
 
 
@@ -164,8 +167,8 @@ def _config_reference() -> str:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from sluice.dag.spec import DagError
+    from sluice.data import DatasetError
     from sluice.engines.hf_model import ModelPathError
-    from sluice.tasks.dataset import DatasetError
 
     return (ConfigError, DatasetError, ModelPathError, DagError)
 

@@ -37,6 +37,7 @@ from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
 from sluice.controller.training import run_training
 from sluice.dag.run_dag import place_dag, plan_for_run
+from sluice.data import DatasetError, PromptBuilder, PromptSet, PromptStream, check_user_data, in_memory, prompt_limit
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.rewards import build_reward_service
@@ -44,7 +45,6 @@ from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
-from sluice.tasks.dataset import DatasetError, PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
 from sluice.trainer.algorithm import GRPOAlgorithm
@@ -55,8 +55,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FitResult:
-    base_accuracy: float
-    final_accuracy: float
+    base_accuracy: float | None
+    """``None`` when the run has no evaluation set (``data.train_files`` without
+    ``data.val_files``); likewise ``final_accuracy``."""
+    final_accuracy: float | None
     steps: int
     minutes: float
     """The whole ``fit``, evaluations included."""
@@ -75,6 +77,7 @@ class RLTrainer:
         self.config = config
         self.task: TaskSpec = TASKS[config.task.name]
         check_agentic(config, self.task.env)
+        check_user_data(config, reward_given=reward is not None)
         self.reward: RewardFn = reward or self.task.reward
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.model_dir: Path | None = None
@@ -84,6 +87,8 @@ class RLTrainer:
         self._next_group = 0
         self.discarded: Counter[str] = Counter()
         """Samples of groups the verbs' waves discarded, per reason (``fit`` logs its own fates)."""
+        self.filtered: dict[str, Counter[str]] = {}
+        """Rows ``load_prompt_data`` left out, per split (``train``, ``val``) and reason."""
         torch.set_num_threads(config.run.threads or os.cpu_count() or 1)
         torch.manual_seed(config.run.seed)
 
@@ -115,23 +120,35 @@ class RLTrainer:
 
     def load_prompt_data(self, rows: Iterable[dict[str, Any]] | None = None) -> None:
         """Validate the training prompts (``rows``, ``data.train_files``, or the task's generator)
-        and the fixed held-out set; training prompts that appear in the held-out set are an error."""
+        and the evaluation set (``data.val_files``, else the task's held-out set, or none when the
+        training rows are the user's files), by the ``data`` section's mapping, chat and length
+        rules. Training prompts that appear in the built-in held-out set are an error."""
         self._require_engines()
-        cfg = self.config.task
-        held_out_rows = eval_rows(self.task, cfg.eval_prompts)
-        self.eval_items = to_prompt_items(held_out_rows, self.tokenizer, source="held-out row")
-        held_out = {row["prompt"] for row in held_out_rows}
-        source = "row"
-        files = self.config.data.train_files
-        if rows is None and files:
-            rows, source = [row for f in files for row in read_jsonl(f)], f"{files[0]} row"
-        if rows is None:
-            rows = generate_rows(self.task, cfg.train_prompts, self.config.run.seed + 1, exclude=held_out)
-        items = to_prompt_items(list(rows), self.tokenizer, source=source)
-        leaked = [it.index for it in items if it.prompt in held_out]
+        assert self.model_dir is not None
+        data, task = self.config.data, self.config.task
+        builder = PromptBuilder(data, self.tokenizer, prompt_limit(data, self.model_dir, self.max_new_tokens))
+        held_out: set[str] = set()
+        if data.val_files:
+            val = builder.read(data.val_files)
+        elif data.train_files and rows is None:
+            val = PromptSet()  # the user's data without a validation set: no evaluation
+        else:
+            held_out_rows = eval_rows(self.task, task.eval_prompts)
+            val = builder.build(in_memory(held_out_rows, "held-out row"), keep_columns=True)
+            held_out = {item.prompt for item in val.items}
+        if rows is not None:
+            train = builder.build(in_memory(list(rows)), keep_columns=True)
+        elif data.train_files:
+            train = builder.read(data.train_files)
+        else:
+            generated = generate_rows(self.task, task.train_prompts, self.config.run.seed + 1, exclude=held_out)
+            train = builder.build(in_memory(generated), keep_columns=True)
+        leaked = [it.index for it in train.items if it.prompt in held_out]
         if leaked:
-            raise DatasetError(f"{source} {leaked[0]}: prompt is in the held-out set ({len(leaked)} such rows)")
-        self.prompts = PromptStream(items, self.config.run.seed)
+            raise DatasetError(f"row {leaked[0] + 1}: prompt is in the held-out set ({len(leaked)} such rows)")
+        self.eval_items = val.items
+        self.filtered = {"train": train.filtered, "val": val.filtered}
+        self.prompts = PromptStream(train.items, self.config.run.seed)
         self._data_ready = True
 
     def evaluate(self) -> EvalResult:
@@ -199,6 +216,9 @@ class RLTrainer:
             cfg, self.run_dir, self.prompts, self.eval_items, self.max_new_tokens, checkpoints, resumed_from
         )
         run.open_logs(append=resumed is not None)
+        if resumed is None:
+            filtered = {f"{split}_filtered_{why}": n for split, c in self.filtered.items() for why, n in c.items()}
+            run.metrics.log("data", train_prompts=len(self.prompts.items), val_prompts=len(self.eval_items), **filtered)
         if progress is not None:
             run.progress = progress
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -206,8 +226,10 @@ class RLTrainer:
         self.tokenizer.save_pretrained(run.final_model_dir)
         minutes = (time.monotonic() - run.started) / 60
         return FitResult(
-            base.accuracy, final.accuracy, run.version, minutes, run.loop_seconds, run.run_dir, run.final_model_dir
-        )
+            None if base is None else base.accuracy,
+            None if final is None else final.accuracy,
+            run.version, minutes, run.loop_seconds, run.run_dir, run.final_model_dir,
+        )  # fmt: skip
 
     def pipeline_spec(self) -> PipelineSpec:
         """What the workers are built from: the config's sections and the run's resolved pieces."""

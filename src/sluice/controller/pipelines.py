@@ -26,13 +26,13 @@ from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.planner import compile_dag
 from sluice.dag.run_dag import DagPlacement, place_dag
 from sluice.dag.spec import load_dag
+from sluice.data import PromptStream
 from sluice.engines.lora import LoraSpec
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.snapshot import groups_snapshot
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
-from sluice.tasks.dataset import PromptStream
 from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.updates import UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker

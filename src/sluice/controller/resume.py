@@ -79,7 +79,8 @@ class DriverState:
     mode: str
     config: dict[str, Any]
     prompt_position: int
-    base_eval: EvalResult
+    base_eval: EvalResult | None
+    """``None`` for a run without an evaluation set."""
     logs: dict[str, int]
     rng: dict[str, Any]
     cut: AsyncCut
@@ -119,7 +120,7 @@ async def save_checkpoint(
     return await asyncio.to_thread(run.checkpoints.commit, tmp, version)
 
 
-async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, state: DriverState) -> EvalResult:
+async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, state: DriverState) -> EvalResult | None:
     """Load the trainer's state, bring the engines to its version, refill the queue."""
     assert run.resumed_from is not None, "restore a resumed run only"
     version = await pipeline.load_state(str(run.resumed_from / TRAINER_DIR))
@@ -147,7 +148,7 @@ def capture_cut(controller: Controller) -> AsyncCut:
 
 
 def _driver_state(run: TrainingRun, version: int, cut: AsyncCut) -> DriverState:
-    assert run.base_eval is not None, "checkpoint after the base evaluation"
+    assert run.base_eval is not None or not run.eval_items, "checkpoint after the base evaluation"
     return DriverState(
         version=version,
         mode=run.config.run.mode,

@@ -19,8 +19,8 @@ from pathlib import Path
 from sluice.api import PromptItem
 from sluice.config import SluiceConfig
 from sluice.controller.checkpoint import CheckpointStore
+from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
-from sluice.tasks.dataset import PromptStream
 from sluice.telemetry import JsonlMetrics, TrainProgress
 
 METRICS_LOG = "metrics.jsonl"

@@ -21,8 +21,8 @@ from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.resume import DriverState, restore_checkpoint, resume_controller, save_checkpoint
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.staleness import StalenessGate
+from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
-from sluice.tasks.dataset import PromptStream
 from sluice.telemetry.cpu import CpuMeter
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
@@ -48,14 +48,21 @@ def place_pipeline(config: SluiceConfig, spec: PipelineSpec, prompts: PromptStre
 
 async def run_training(
     run: TrainingRun, spec: PipelineSpec, resumed: DriverState | None
-) -> tuple[EvalResult, EvalResult]:
-    """Place the workers, run ``run.config.run.steps`` steps, evaluate before and after."""
+) -> tuple[EvalResult | None, EvalResult | None]:
+    """Place the workers, run ``run.config.run.steps`` steps, evaluate before and after (a run
+    without an evaluation set, ``run.eval_items`` empty, evaluates never: ``None`` s)."""
     cfg = run.config
     pipeline = place_pipeline(cfg, spec, run.prompts)
     max_new = run.max_new_tokens
+
+    async def evaluate(step: int | None = None) -> EvalResult | None:
+        if not run.eval_items:
+            return None
+        return run.log_eval(await pipeline.evaluate(run.eval_items, max_new), step)
+
     try:
         if resumed is None:
-            base = run.log_eval(await pipeline.evaluate(run.eval_items, max_new))
+            base = await evaluate()
         else:  # trainer state, engines at its version, the queue's untrained rows
             base = await restore_checkpoint(run, pipeline, resumed)
         run.base_eval = base
@@ -68,7 +75,7 @@ async def run_training(
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
             if run.eval_due(version):
-                run.log_eval(await pipeline.evaluate(run.eval_items, max_new), version)
+                await evaluate(version)
             keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
             if run.checkpoint_due(version):
                 await save_checkpoint(run, controller, pipeline, version)
@@ -82,7 +89,7 @@ async def run_training(
         run.loop_seconds = time.monotonic() - started
         run.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
         await _log_run_end(run, controller, pipeline, spec)
-        final = run.log_eval(await pipeline.evaluate(run.eval_items, max_new))
+        final = await evaluate()
         run.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
         await pipeline.save(str(run.final_model_dir))
         return base, final
