@@ -56,3 +56,24 @@ def tiny_run_overrides(model_dir: Path, out: Path, name: str) -> list[str]:
         f"run.output_dir={out}",
         f"run.name={name}",
     ]
+
+
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'system' %}-{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}>{% endif %}"
+)
+"""A chat template the default task's character tokenizer can spell: the system message, ``-``,
+the user turns, and ``>`` as the generation prompt (``"9-12>"`` for system 9, user 12)."""
+
+
+def add_chat_template(model_dir: Path, out: Path) -> Path:
+    """A copy of the HF folder ``model_dir`` whose tokenizer has ``TINY_CHAT_TEMPLATE``."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out

@@ -112,15 +112,20 @@ def _train(args: argparse.Namespace) -> int:
     with TrainProgress(cfg.run.steps, "train", cfg.run.progress, console) as bar:
         result = trainer.fit(progress=bar)
     console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
-    if result.base_accuracy is not None and result.final_accuracy is not None:
+    if result.base_accuracy is None or result.final_accuracy is None:
+        print("no evaluation (run.eval_every=0, or data.train_files without data.val_files)", flush=True)
+    else:
         print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from sluice.data import check_user_data
     from sluice.rl_trainer import RLTrainer
 
     cfg = load_config(None, [*args.overrides, f"model.path={args.model_dir}"])
+    if args.data:
+        check_user_data(cfg, reward_given=False, files="--data")
     trainer = RLTrainer(cfg)
     trainer.init_engines(train=False)
     if args.data:
@@ -202,8 +207,8 @@ def _config_reference() -> str:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from sluice.dag.spec import DagError
+    from sluice.data import DatasetError
     from sluice.engines.hf_model import ModelPathError
-    from sluice.tasks.dataset import DatasetError
     from sluice.telemetry.plot import MetricsFileError
 
     return (ConfigError, DatasetError, ModelPathError, DagError, MetricsFileError)

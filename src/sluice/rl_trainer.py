@@ -37,6 +37,7 @@ from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
 from sluice.controller.training import run_training
 from sluice.dag.run_dag import place_dag, plan_for_run
+from sluice.data import DatasetError, PromptBuilder, PromptSet, PromptStream, check_user_data, in_memory, prompt_limit
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.rewards import build_reward_service, check_reward
@@ -44,7 +45,6 @@ from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
-from sluice.tasks.dataset import DatasetError, PromptStream, read_jsonl, to_prompt_items
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
 from sluice.telemetry.plot import plot_run
@@ -78,6 +78,7 @@ class RLTrainer:
         self.config = config
         self.task: TaskSpec = TASKS[config.task.name]
         check_agentic(config, self.task.env)
+        check_user_data(config, reward_given=reward is not None)
         check_reward(config.reward, reward, self.max_new_tokens)  # reward.fn / by_source imported: errors here
         self.reward: RewardFn = reward or self.task.reward
         self.run_dir = Path(config.run.output_dir) / config.run.name
@@ -90,6 +91,8 @@ class RLTrainer:
         self._next_group = 0
         self.discarded: Counter[str] = Counter()
         """Samples of groups the verbs' waves discarded, per reason (``fit`` logs its own fates)."""
+        self.filtered: dict[str, Counter[str]] = {}
+        """Rows ``load_prompt_data`` left out, per split (``train``, ``val``) and reason."""
         torch.set_num_threads(config.run.threads or os.cpu_count() or 1)
         torch.manual_seed(config.run.seed)
 
@@ -121,31 +124,45 @@ class RLTrainer:
 
     def load_prompt_data(self, rows: Iterable[dict[str, Any]] | None = None) -> None:
         """Validate the training prompts (``rows``, ``data.train_files``, or the task's generator)
-        and the fixed held-out set; training prompts that appear in the held-out set are an error."""
+        and the evaluation set (``data.val_files``, else the task's held-out set, or none when the
+        training rows are the user's files), by the ``data`` section's mapping, chat and length
+        rules. Training prompts that appear in the built-in held-out set are an error."""
         self._require_engines()
-        cfg = self.config.task
-        held_out_rows = eval_rows(self.task, cfg.eval_prompts)
-        self.eval_items = to_prompt_items(held_out_rows, self.tokenizer, source="held-out row")
-        held_out = {row["prompt"] for row in held_out_rows}
-        source = "row"
-        files = self.config.data.train_files
-        if rows is None and files:
-            rows, source = [row for f in files for row in read_jsonl(f)], f"{files[0]} row"
-        if rows is None:
-            rows = generate_rows(self.task, cfg.train_prompts, self.config.run.seed + 1, exclude=held_out)
-        items = to_prompt_items(list(rows), self.tokenizer, source=source)
-        leaked = [it.index for it in items if it.prompt in held_out]
+        assert self.model_dir is not None
+        data, task = self.config.data, self.config.task
+        builder = PromptBuilder(data, self.tokenizer, prompt_limit(data, self.model_dir, self.max_new_tokens))
+        held_out: set[str] = set()
+        if data.val_files:
+            val = builder.read(data.val_files)
+        elif data.train_files and rows is None:
+            val = PromptSet()  # the user's data without a validation set: no evaluation
+        else:
+            held_out_rows = eval_rows(self.task, task.eval_prompts)
+            val = builder.build(in_memory(held_out_rows, "held-out row"), keep_columns=True)
+            held_out = {item.prompt for item in val.items}
+        if rows is not None:
+            train = builder.build(in_memory(list(rows)), keep_columns=True)
+        elif data.train_files:
+            train = builder.read(data.train_files)
+        else:
+            generated = generate_rows(self.task, task.train_prompts, self.config.run.seed + 1, exclude=held_out)
+            train = builder.build(in_memory(generated), keep_columns=True)
+        leaked = [it.index for it in train.items if it.prompt in held_out]
         if leaked:
-            raise DatasetError(f"{source} {leaked[0]}: prompt is in the held-out set ({len(leaked)} such rows)")
-        self.prompts = PromptStream(items, self.config.run.seed)
+            raise DatasetError(f"row {leaked[0] + 1}: prompt is in the held-out set ({len(leaked)} such rows)")
+        self.eval_items = val.items
+        self.filtered = {"train": train.filtered, "val": val.filtered}
+        self.prompts = PromptStream(train.items, self.config.run.seed)
         self._data_ready = True
 
     def load_eval_data(self, path: str | Path) -> None:
-        """A user's validation rows (a JSONL file) as the evaluation set, in place of the task's
-        held-out set (``sluice eval --data``)."""
+        """A user's validation rows (any format ``data.train_files`` takes) as the evaluation set,
+        in place of the task's held-out set (``sluice eval --data``), by the ``data`` section's rules."""
         self._require_engines()
-        rows = read_jsonl(path)  # the one reader of evaluation files
-        self.eval_items = to_prompt_items(rows, self.tokenizer, source=f"{path} row")
+        assert self.model_dir is not None
+        data = self.config.data
+        builder = PromptBuilder(data, self.tokenizer, prompt_limit(data, self.model_dir, self.max_new_tokens))
+        self.eval_items = builder.read((str(path),)).items
 
     def evaluate(self) -> EvalResult:
         """The model's scores on the evaluation set (``init_engines(train=False)``, then
@@ -223,6 +240,9 @@ class RLTrainer:
             tokenizer=self.tokenizer,
         )  # fmt: skip
         run.open_logs(append=resumed is not None)
+        if resumed is None:
+            filtered = {f"{split}_filtered_{why}": n for split, c in self.filtered.items() for why, n in c.items()}
+            run.metrics.log("data", train_prompts=len(self.prompts.items), val_prompts=len(self.eval_items), **filtered)
         if progress is not None:
             run.progress = progress
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))

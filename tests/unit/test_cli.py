@@ -56,8 +56,13 @@ def test_malformed_dataset_row_and_model_folder(tmp_path):
     model.save_pretrained(fake_model)
     tok.save_pretrained(fake_model)
     data = tmp_path / "rows.jsonl"
-    data.write_text(json.dumps({"prompt": "12>", "answer": "21"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
-    proc = _run("train", f"model.path={fake_model}", f"data.train_files={data}", "run.progress=false", cwd=tmp_path)
+    data.write_text(
+        json.dumps({"prompt": "12>", "answer": "21"}) + "\n" + json.dumps({"prompt": "", "answer": 1}) + "\n"
+    )
+    args = ("train", f"model.path={fake_model}", f"data.train_files={data}", "run.progress=false")
+    proc = _run(*args, cwd=tmp_path)
+    assert proc.returncode == 2 and "rollout.max_new_tokens: must be set when data.train_files is" in proc.stderr
+    proc = _run(*args, "rollout.max_new_tokens=8", "reward.name=exact_match", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "rows.jsonl row 1: field 'prompt' must be a non-empty string" in proc.stderr
+    assert "rows.jsonl line 2: the prompt at 'prompt' is empty" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -33,6 +33,11 @@ def test_yaml_file_then_overrides_win(tmp_path):
         (["rollout.group_size=0"], "rollout.group_size: Input should be greater than or equal to 1"),
         (["run.mode=bogus"], "run.mode"),
         (["rollout"], "expected dotted.key=value"),
+        (["rollout.group_size=true"], "rollout.group_size: Input should be a valid integer, got a boolean"),
+        (["rollout.group_size=2.0"], "rollout.group_size: Input should be a valid integer, got a float"),
+        (["rollout.max_new_tokens=false"], "rollout.max_new_tokens: Input should be a valid integer, got a boolean"),
+        (["rollout.temperature=true"], "rollout.temperature: Input should be a valid number, got a boolean"),
+        (["trainer.betas=[0.9, true]"], "trainer.betas: item 2: Input should be a valid number, got a boolean"),
     ],
 )
 def test_bad_config_names_the_field(overrides, needle):
@@ -48,6 +53,25 @@ def test_bad_yaml_files(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(bad)
+
+
+def test_numbers_stay_what_they_are():
+    cfg = load_config(None, ["trainer.lr=1", "trainer.betas=[1, 0.9]", "rollout.max_new_tokens=null", "run.trace=true"])
+    assert cfg.trainer.lr == 1.0 and cfg.trainer.betas == (1.0, 0.9) and cfg.rollout.max_new_tokens is None
+
+
+def test_non_utf8_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"run:\n  name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"latin1.yaml line 2: not UTF-8 text \(byte 0xe9\)"):
+        load_config(path)
+
+
+def test_every_shipped_config_still_loads():
+    paths = [*REPO.glob("examples/*/config.yaml"), *REPO.glob("examples/*.yaml")]
+    assert len(paths) >= 3
+    for path in paths:
+        load_config(path)
 
 
 def test_dump_roundtrips():

@@ -50,8 +50,9 @@ class DataConfig(_Section):
     ``{"role", "content"}``; verl's schema)."""
 
     answer_key: str | None = None
-    """Dotted path of the reference answer, passed to the reward as ``answer``. ``null``:
-    ``answer`` if the row has it, else ``reward_model.ground_truth`` (verl's schema)."""
+    """Dotted path of the reference answer, passed to the reward as ``answer`` (a number becomes
+    its string, ``72.0`` → ``"72"``; other non-strings are an error). ``null``: ``answer`` if the
+    row has it, else ``reward_model.ground_truth`` (verl's schema)."""
 
     data_source_key: str = "data_source"
     """Dotted path of the row's source name (routes ``reward.by_source`` and splits evaluation

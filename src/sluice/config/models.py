@@ -30,7 +30,8 @@ class RolloutConfig(_Section):
     """Prompt groups per training step (the global batch ``B``)."""
 
     max_new_tokens: int | None = Field(default=None, ge=1)
-    """Hard cap on response length in tokens (``null``: the task's own cap)."""
+    """Hard cap on response length in tokens (``null``: the built-in task's own cap; must be set
+    with ``data.train_files``)."""
 
     temperature: float = Field(default=1.0, gt=0.0)
     """Sampling temperature of training rollouts (evaluation: greedy, and ``eval.temperature``)."""

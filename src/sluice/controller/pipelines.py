@@ -27,12 +27,12 @@ from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.planner import compile_dag
 from sluice.dag.run_dag import DagPlacement, place_dag
 from sluice.dag.spec import load_dag
+from sluice.data import PromptStream
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.snapshot import groups_snapshot
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
-from sluice.tasks.dataset import PromptStream
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.sections import algorithm_of, critic_of

@@ -26,9 +26,9 @@ from sluice.controller.pipelines import (
     weight_syncs,
 )
 from sluice.dag.node_worker import NodeTaskWorker
+from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
-from sluice.tasks.dataset import PromptStream
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
 

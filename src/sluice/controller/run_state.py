@@ -21,8 +21,8 @@ from pathlib import Path
 from sluice.api import PromptItem
 from sluice.config import SluiceConfig
 from sluice.controller.checkpoint import CheckpointStore
+from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
-from sluice.tasks.dataset import PromptStream
 from sluice.telemetry import JsonlMetrics, TrainProgress
 from sluice.telemetry.samples import SampleSummary, TokenDecoder, sample_rows
 from sluice.telemetry.trackers import Trackers, open_trackers

@@ -24,8 +24,8 @@ from sluice.config.data import EvalConfig
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.training import place_pipeline
+from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
-from sluice.tasks.dataset import PromptStream
 
 T = TypeVar("T")
 

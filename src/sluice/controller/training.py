@@ -24,8 +24,8 @@ from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.resume import DriverState, restore_checkpoint, resume_controller, save_checkpoint
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.staleness import StalenessGate
+from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
-from sluice.tasks.dataset import PromptStream
 from sluice.telemetry.cpu import CpuMeter
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
