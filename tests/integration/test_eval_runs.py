@@ -88,8 +88,7 @@ def test_sluice_eval_on_a_users_file_prints_overall_and_per_source(tiny_task_mod
     data = tmp_path / "val.jsonl"
     rows = [("12>", "21", "a"), ("345>", "543", "b"), ("6>", "6", "a")]
     data.write_text("".join(json.dumps({"prompt": p, "answer": x, "data_source": s}) + "\n" for p, x, s in rows))
-    args = ["eval", str(tiny_task_model), "--data", str(data), "eval.samples=4", "reward.name=exact_match",
-            "rollout.max_new_tokens=8"]  # fmt: skip
+    args = ["eval", str(tiny_task_model), "--data", str(data), "eval.samples=4", "reward.name=exact_match"]
     assert main([*args, "reward.pool_size=0", "rollout.max_new_tokens=6", "run.threads=1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("accuracy ") and "mean@4 " in lines[0] and "pass@4 " in lines[0]
