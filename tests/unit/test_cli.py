@@ -61,7 +61,7 @@ def test_malformed_dataset_row_and_model_folder(tmp_path):
     )
     args = ("train", f"model.path={fake_model}", f"data.train_files={data}", "run.progress=false")
     proc = _run(*args, cwd=tmp_path)
-    assert proc.returncode == 2 and "rollout.max_new_tokens: must be set when data.train_files is" in proc.stderr
+    assert proc.returncode == 2 and "rollout.max_new_tokens: must be set with data.train_files" in proc.stderr
     proc = _run(*args, "rollout.max_new_tokens=8", "reward.name=exact_match", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "rows.jsonl line 2: the prompt at 'prompt' is empty" in proc.stderr

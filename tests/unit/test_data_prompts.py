@@ -151,13 +151,15 @@ def test_prompt_limit_fits_the_model_context(tmp_path):
 
 def test_user_data_needs_an_explicit_response_cap_and_reward():
     user = ["data.train_files=rows.jsonl"]
-    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: must be set when data.train_files is"):
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: must be set with data.train_files"):
         check_user_data(load_config(None, user), reward_given=True)
     with pytest.raises(ConfigError, match=r"reward: data.train_files needs a reward"):
         check_user_data(load_config(None, [*user, "rollout.max_new_tokens=8"]), reward_given=False)
     check_user_data(load_config(None, [*user, "rollout.max_new_tokens=8", "reward.name=exact_match"]), False)
     check_user_data(load_config(None, [*user, "rollout.max_new_tokens=8"]), reward_given=True)
     check_user_data(load_config(None, []), reward_given=False)  # the built-in task brings both
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: must be set with --data"):
+        check_user_data(load_config(None, []), reward_given=False, files="--data")  # sluice eval --data FILE
 
 
 def test_prompt_stream_covers_each_epoch_once_and_is_seeded(tokenizer):

@@ -43,7 +43,7 @@ def test_limits_beyond_the_model_context_and_missing_choices_are_config_errors(t
         _trainer(tiny_task_model, rows_path, "rollout.max_new_tokens=64")
     with pytest.raises(ConfigError, match=r"data.max_prompt_length \(40\) \+ rollout.max_new_tokens \(30\)"):
         _trainer(tiny_task_model, rows_path, "rollout.max_new_tokens=30", "data.max_prompt_length=40")
-    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: must be set when data.train_files is"):
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: must be set with data.train_files"):
         _trainer(tiny_task_model, rows_path)
     with pytest.raises(ConfigError, match=r"reward: data.train_files needs a reward"):
         _trainer(tiny_task_model, rows_path, "rollout.max_new_tokens=8", reward=None)
