@@ -118,8 +118,9 @@ class FakeTrainEngine:
 
         return {"w": torch.tensor([self.w], dtype=torch.float64)}
 
-    def save(self, path: str) -> None:
-        Path(path, "fake_engine.json").write_text(json.dumps({"w": self.w, "steps": self.steps}))
+    def save(self, path: str, *, optimizer: bool = True) -> None:
+        state = {"w": self.w, "steps": self.steps} if optimizer else {"w": self.w}
+        Path(path, "fake_engine.json").write_text(json.dumps(state))
 
     def load(self, path: str) -> None:
         state = json.loads(Path(path, "fake_engine.json").read_text())

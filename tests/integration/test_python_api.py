@@ -39,3 +39,5 @@ def test_the_verbs_by_hand_equal_fit_at_eta_zero(tiny_task_model, tmp_path):
     want = load_causal_lm(result.final_model_dir).state_dict()
     got = load_causal_lm(tmp_path / "by_hand").state_dict()
     assert all(torch.equal(got[name], value) for name, value in want.items())
+    for folder in (result.final_model_dir, tmp_path / "by_hand"):  # what from_pretrained needs, no optimizer
+        assert sorted(p.name for p in folder.iterdir() if p.suffix in (".pt", ".safetensors")) == ["model.safetensors"]

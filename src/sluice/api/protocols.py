@@ -105,8 +105,9 @@ class TrainEngine(Protocol):
         """A detached copy of the named parameters, for weight sync."""
         ...
 
-    def save(self, path: str) -> None:
-        """Write the model (HF folder) and optimizer state."""
+    def save(self, path: str, *, optimizer: bool = True) -> None:
+        """Write the model (HF folder) and, for a checkpoint, the optimizer state (``optimizer=False``:
+        only what ``from_pretrained`` needs, e.g. the final model)."""
         ...
 
     def load(self, path: str) -> None:

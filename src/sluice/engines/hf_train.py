@@ -165,14 +165,15 @@ class HFTrainEngine:
             out[name] = copies[key]
         return out
 
-    def save(self, path: str) -> None:
-        """Write the HF model folder plus ``optimizer.pt`` into ``path``."""
+    def save(self, path: str, *, optimizer: bool = True) -> None:
+        """Write the HF model folder into ``path``, plus ``optimizer.pt`` for a checkpoint."""
         os.makedirs(path, exist_ok=True)
         if self.lora is not None:
             save_merged(self.model, path)
         else:
             self.model.save_pretrained(path)
-        torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
+        if optimizer:
+            torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
 
     def load(self, path: str) -> None:
         """Restore weights (in place, so the optimizer keeps its parameters) and optimizer state."""

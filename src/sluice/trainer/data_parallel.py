@@ -118,8 +118,8 @@ class AllReducedEngine:
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.export_weights()
 
-    def save(self, path: str) -> None:
-        self.engine.save(path)
+    def save(self, path: str, *, optimizer: bool = True) -> None:
+        self.engine.save(path, optimizer=optimizer)
 
     def load(self, path: str) -> None:
         self.engine.load(path)

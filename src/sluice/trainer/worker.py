@@ -261,7 +261,8 @@ class TrainerWorker:
             return self.version, float(sum(p.double().sum() for p in self.engine.model.parameters()))
 
     def save(self, path: str) -> None:
-        self.engine.save(path)
+        """The policy as an HF model folder: only what ``from_pretrained`` needs (no optimizer state)."""
+        self.engine.save(path, optimizer=False)
 
     def trained_ids(self) -> list[str]:
         """Ids (``Sample.uid``) of the samples the last finished step trained, every rank's."""
@@ -326,8 +327,8 @@ class _Traced:
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.worker.updater.export_weights()
 
-    def save(self, path: str) -> None:
-        self.worker.updater.save(path)
+    def save(self, path: str, *, optimizer: bool = True) -> None:
+        self.worker.updater.save(path, optimizer=optimizer)
 
     def load(self, path: str) -> None:
         self.worker.updater.load(path)
