@@ -81,7 +81,7 @@ def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, 
     missed publish) or values from a differently batched critic would change ``value_mean`` /
     ``return_mean`` and the losses from step 2 on. With the KL's reference task beside it the
     reference worker batches rows as they come, which moves the KL in the last digits: equal to
-    float rounding."""
+    float32 rounding (seen up to 1.1e-6 relative on a loaded machine, so 1e-5)."""
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     ppo = [*PPO, f"trainer.kl_coef={kl_coef}"]
@@ -90,7 +90,7 @@ def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, 
     streamed = _train_records(tiny_task_model, tmp_path, f"ppo-{backend}", *ppo, *where)
     got, want = ([[r.get(k) for k in PPO_KEYS] for r in records] for records in (streamed, sync))
     if kl_coef:
-        assert [pytest.approx(row, rel=1e-6) for row in got] == want
+        assert [pytest.approx(row, rel=1e-5) for row in got] == want
     else:
         assert got == want
     assert streamed[-1]["value_mean"] != 0.0 and all(r["staleness_max"] == 0 for r in streamed)
