@@ -8,7 +8,8 @@ templates (``SHORTCUT``) 70 % of the demonstrations stop after the first step an
 intermediate number, for the other two 30 % do. The warm-started model can solve every template
 (sampling finds the full solution often enough) but its greedy answer follows the shortcut on
 most of them. The SFT loop itself is sluice's (``sluice.tasks.warm_start``: cross-entropy on the
-response tokens and the closing ``<|im_end|>``), run under bf16 autocast. It does not run RL and
+response tokens and the closing ``<|im_end|>``), in fp32 (``--bf16`` autocasts to bf16: faster only on
+CPUs with AMX; on others bf16 is emulated and many times slower). It does not run RL and
 downloads nothing. At the end it prints the base model's greedy validation accuracy, measured with
 sluice's evaluator and the ``math_verify`` reward on the first ``--eval-rows`` rows of
 ``test.parquet``.
@@ -159,7 +160,7 @@ def build(
     sft: SftSpec | None = None,
     shortcut: dict[str, float] | None = None,
     seed: int = 0,
-    bf16: bool = True,
+    bf16: bool = False,
     log_every: int = 25,
 ) -> dict[str, Any]:
     """Tokenizer, model and SFT from ``data_dir/train.parquet``, saved to ``out``; returns a summary."""
@@ -210,9 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary size")
     parser.add_argument("--steps", type=int, default=SftSpec.steps, help="SFT steps")
     parser.add_argument("--batch", type=int, default=SftSpec.batch_size, help="SFT demonstrations per step")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: on a shared machine two spin-wait)")
     parser.add_argument("--eval-rows", type=int, default=200, help="test rows for the base accuracy (0: skip)")
     parser.add_argument("--max-new-tokens", type=int, default=80, help="greedy response limit of that evaluation")
+    parser.add_argument("--bf16", action="store_true", help="SFT under bf16 autocast (only where the CPU has AMX)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

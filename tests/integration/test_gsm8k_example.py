@@ -4,6 +4,7 @@ worked solutions; a two-step ``sluice train`` on both waits for the data readers
 
 import importlib.util
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -101,6 +102,22 @@ def test_model_folder_loads_and_renders_chats(model_dir):
     digits = tokenizer("1234", add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_ids_to_tokens(digits) == ["1", "2", "3", "4"]
     assert summary["sft_final_loss"] < math.log(summary["vocab_size"]) - 1.0  # the warm start learned
+
+
+def test_demonstrations_take_the_shortcut_at_each_templates_rate(model_dir, data_dir):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir[0], local_files_only=True)
+    rows = pq.read_table(data_dir / "train.parquet").to_pylist()
+    by_prompt = {make_model.render_prompt(tokenizer, r["prompt"]): r["extra_info"] for r in rows}
+    draw, rng = make_model.demonstrations(rows, tokenizer, {"ages": 1.0, "sharing": 0.0}), random.Random(0)
+    seen = set()
+    for _ in range(60):
+        prompt, solution = draw(rng)
+        info = by_prompt[prompt]
+        assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        full = info["answer"]
+        assert solution == (make_model.shortcut_solution(full) if info["template"] == "ages" else full)
+        seen.add(info["template"])
+    assert {"ages", "sharing"} <= seen
 
 
 def test_base_accuracy_is_measured_with_sluices_evaluator(model_dir, data_dir):
