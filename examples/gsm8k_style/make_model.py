@@ -66,7 +66,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class SftSpec:
-    steps: int = 300
+    steps: int = 1000
     batch_size: int = 32
     lr: float = 2e-3
     warmup_steps: int = 20
