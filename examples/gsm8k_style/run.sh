@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The gsm8k_style example end to end: synthetic data -> tiny SFT-warm-started Qwen2 -> GRPO.
+#   bash examples/gsm8k_style/run.sh [key=value ...]     (extra arguments go to `sluice train`)
+# Run from anywhere; it works in the repository root. Data and model are rebuilt only when missing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-.venv/bin/python}
+HERE=examples/gsm8k_style
+[ -f "$HERE/data/test.parquet" ] || "$PY" "$HERE/make_data.py" --out "$HERE/data"
+[ -f "$HERE/model/config.json" ] || "$PY" "$HERE/make_model.py" --data "$HERE/data" --out "$HERE/model"
+exec "$PY" -m sluice.cli train "$HERE/config.yaml" "$@"
