@@ -32,11 +32,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from sluice.config import DataConfig
+from sluice.data import PromptBuilder, in_memory
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm
 from sluice.rewards import math_verify_reward
 from sluice.rollout.evaluate import evaluate
-from sluice.tasks.dataset import to_prompt_items
 from sluice.tasks.warm_start import sft_warm_start
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -143,10 +144,7 @@ def greedy_accuracy(model_dir: Path, rows: list[dict[str, Any]], max_new_tokens:
     from sluice.engines.hf_model import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    items = to_prompt_items(
-        [{"prompt": render_prompt(tokenizer, r["prompt"]), "answer": r["reward_model"]["ground_truth"]} for r in rows],
-        tokenizer,
-    )
+    items = PromptBuilder(DataConfig(chat_template="on"), tokenizer).build(in_memory(rows, "test row")).items
     engine = HFInferenceEngine(load_causal_lm(model_dir), max_batch=64)
     return evaluate(engine, items, tokenizer, math_verify_reward, max_new_tokens).accuracy
 

@@ -2,32 +2,21 @@
 with ``AutoTokenizer`` / ``AutoModelForCausalLM`` and renders chats, and ``math_verify`` scores the
 worked solutions; a two-step ``sluice train`` on both waits for the data readers of issue 19."""
 
-import importlib.util
+import json
 import math
 import random
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
+from gsm8k_example import EXAMPLE, load
 from sluice.rewards import math_verify_reward
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "gsm8k_style"
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"gsm8k_style_{name}", EXAMPLE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-make_data, make_model = _load("make_data"), _load("make_model")
+make_data, make_model = load("make_data"), load("make_model")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +115,6 @@ def test_base_accuracy_is_measured_with_sluices_evaluator(model_dir, data_dir):
     assert accuracy in (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-@pytest.mark.xfail(reason="needs the data readers of issue 19 (parquet, chat messages)", strict=False)
 def test_two_grpo_steps_on_the_example(model_dir, data_dir, tmp_path):
     from sluice import RLTrainer
     from sluice.config import load_config
@@ -152,4 +140,8 @@ def test_two_grpo_steps_on_the_example(model_dir, data_dir, tmp_path):
     result = RLTrainer(config).fit()
     assert result.steps == 2
     assert 0.0 <= result.base_accuracy <= 1.0 and 0.0 <= result.final_accuracy <= 1.0
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["count"] for r in evals] == [4, 4] and "accuracy/gsm8k_style" in evals[0]  # the user's val rows
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert (result.final_model_dir / "config.json").is_file()

@@ -170,3 +170,10 @@ def test_prompt_stream_covers_each_epoch_once_and_is_seeded(tokenizer):
     assert first == [it.index for it in b.take(10)]
     assert sorted(it.index for it in a.take(10)) == list(range(10))
     assert [it.index for it in PromptStream(items, seed=4).take(10)] != first
+
+
+def test_a_bare_yaml_on_or_off_is_the_chat_template_word(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  chat_template: on\n")  # YAML 1.1: a boolean
+    assert load_config(path, []).data.chat_template == "on"
+    assert load_config(None, ["data.chat_template=off"]).data.chat_template == "off"

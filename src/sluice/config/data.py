@@ -36,6 +36,11 @@ def _as_tuple(value: Any) -> Any:
     return (value,) if isinstance(value, str) else value
 
 
+def _on_off(value: Any) -> Any:
+    """YAML reads a bare ``on`` / ``off`` as a boolean: take it as the word."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class DataConfig(_Section):
     train_files: tuple[str, ...] = ()
     """Training rows: JSONL / JSON / parquet files or ``datasets`` folders (``save_to_disk``),
@@ -79,6 +84,7 @@ class DataConfig(_Section):
     """A system message put before each prompt's messages (chat template only)."""
 
     _one_path = field_validator("train_files", "val_files", mode="before")(_as_tuple)
+    _yaml_on_off = field_validator("chat_template", mode="before")(_on_off)
 
 
 class EvalConfig(_Section):
