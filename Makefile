@@ -29,7 +29,7 @@ run: $(STAMP)
 	$(BIN)/sluice train $(ARGS)
 
 test: $(STAMP) sandbox-deps lint typecheck
-	$(BIN)/pytest tests
+	$(BIN)/pytest tests --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
