@@ -113,3 +113,13 @@ def test_ppo_with_a_critic_at_eta1_keeps_the_staleness_bound_and_the_fates(tiny_
     weights = next(r for r in records if r["kind"] == "weights")
     assert weights["engine_version"] == weights["trainer_version"] == 3
     assert weights["engine_checksum"] == weights["trainer_checksum"]
+
+
+def test_the_lr_schedule_reaches_the_trainer_actor(tiny_task_model, tmp_path, request):
+    """``trainer.lr_schedule`` through the Ray trainer actor: each step's mean learning rate over
+    its two mini-batch updates follows linear warmup (1 step = 2 updates) and decay over 3 steps."""
+    request.getfixturevalue("ray_cluster")
+    schedule = ["trainer.lr=0.01", "trainer.lr_schedule=linear", "trainer.lr_warmup_steps=1"]
+    records = _train_records(tiny_task_model, tmp_path, "lr", *schedule, "run.mode=async", "run.backend=ray")
+    assert [r["step"] for r in records] == [1, 2, 3]  # updates 0..5 of 6: lr 0, .5, 1, .75, .5, .25 (x 0.01)
+    assert [r["lr"] for r in records] == pytest.approx([0.0025, 0.00875, 0.00375])

@@ -177,7 +177,13 @@ class TrainerConfig(_Section):
     """Module names (suffixes) that get adapters; the default covers a Llama-style block."""
 
     lr: float = Field(default=1e-4, gt=0.0)
-    """Adam learning rate."""
+    """Adam learning rate (the peak, with a schedule)."""
+
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup: keep ``lr``, or decay it linearly / by a cosine to 0 at ``run.steps``."""
+
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Steps over which the learning rate rises linearly from 0 to ``lr`` (0: none)."""
 
     betas: tuple[float, float] = (0.9, 0.99)
     """Adam betas."""
@@ -367,8 +373,10 @@ class SluiceConfig(_Section):
     """Multi-turn environments (agentic RL): env, EnvRunner mode, redundancy, timeouts."""
 
     @model_validator(mode="after")
-    def _data_parallel_placement(self) -> SluiceConfig:
+    def _trainer_fits_the_run(self) -> SluiceConfig:
         t = self.trainer
+        if t.lr_warmup_steps > self.run.steps:
+            raise ValueError(f"trainer.lr_warmup_steps ({t.lr_warmup_steps}) exceeds run.steps ({self.run.steps})")
         if t.data_parallel > 1:
             if self.run.backend != "ray":
                 raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")

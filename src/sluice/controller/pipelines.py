@@ -271,6 +271,7 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
         "trainer": spec.config.trainer,
         "temperature": spec.config.rollout.temperature,
         "group_size": spec.config.rollout.group_size,
+        "steps": spec.config.run.steps,
         "threads": spec.trainer_threads,
         "trace": spec.config.run.trace,
         "critic_sync": critic_sync,

@@ -12,7 +12,9 @@ which a group's responses share one copy of its prompt) or ``padded`` (length-so
 chunks). Both give the same log-probs to float rounding; ``packed`` is about 2× faster on the
 default task (``benchmarks/training.py``).
 
-Deliberately not here: FSDP / tensor parallelism, mixed precision, LR schedules, gradient
+The learning rate follows an optional ``LrSchedule`` (warmup, then constant / linear / cosine
+decay: ``transformers.get_scheduler``), stepped once per optimizer update and checkpointed
+beside the optimizer. Deliberately not here: FSDP / tensor parallelism, mixed precision, gradient
 checkpointing, and deciding micro-batch boundaries (the caller passes ``MicroBatch`` es from
 ``trainer/step.py``). Log-probs use ``log_softmax(logits / T)``
 to match the engines' ``Completion.logprobs`` convention (``T <= 0`` means raw logits).
@@ -32,12 +34,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from sluice.api.protocols import Algorithm
 from sluice.api.types import LossInputs, MicroBatch, Sample
 from sluice.engines.lora import LoraSpec, apply_lora, load_adapters, merged_weights, save_merged
+from sluice.engines.lr_schedule import LrSchedule
 from sluice.engines.packing import pack_batch, packed_chunks
 from sluice.engines.padding import pad_batch
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "lr_scheduler.pt"
 
 
 class HFTrainEngine:
@@ -73,6 +77,7 @@ class HFTrainEngine:
         share_prompts: bool = True,
         pack_row_tokens: int = 0,
         lora: LoraSpec | None = None,
+        lr_schedule: LrSchedule | None = None,
     ) -> None:
         if layout not in ("packed", "padded"):
             raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
@@ -88,6 +93,7 @@ class HFTrainEngine:
         self.device = next(self.model.parameters()).device
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.scheduler = lr_schedule.build(self.optimizer) if lr_schedule is not None else None
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> HFTrainEngine:
@@ -147,6 +153,9 @@ class HFTrainEngine:
             logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
         else:
             self.optimizer.step()
+        if self.scheduler is not None:  # a skipped update still moves along the schedule
+            totals["lr"] = float(self.scheduler.get_last_lr()[0])
+            self.scheduler.step()
         totals["skipped_steps"] = float(skipped)
         totals["grad_norm"] = grad_norm
         return dict(totals)
@@ -174,6 +183,8 @@ class HFTrainEngine:
             self.model.save_pretrained(path)
         if optimizer:
             torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
+            if self.scheduler is not None:
+                torch.save(self.scheduler.state_dict(), os.path.join(path, SCHEDULER_FILE))
 
     def load(self, path: str) -> None:
         """Restore weights (in place, so the optimizer keeps its parameters) and optimizer state."""
@@ -184,6 +195,8 @@ class HFTrainEngine:
             self.model.load_state_dict(loaded.state_dict())
         state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
 
     def plan_forwards(self, samples: Sequence[Sample], budget: int) -> list[list[list[int]]]:
         """Forward chunks → rows → sample indices, in the engine's layout."""

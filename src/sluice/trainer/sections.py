@@ -14,6 +14,7 @@ from sluice.config import TrainerConfig
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lora import LoraSpec
+from sluice.engines.lr_schedule import LrSchedule
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.updates import UpdateSchedule
@@ -50,8 +51,17 @@ def critic_of(t: TrainerConfig) -> CriticSpec | None:
     return CriticSpec(t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda)
 
 
-def engine_options(t: TrainerConfig, temperature: float) -> dict[str, Any]:
-    """``HFTrainEngine``'s arguments besides the model."""
+def lr_schedule_of(t: TrainerConfig, steps: int) -> LrSchedule | None:
+    """The learning-rate schedule over a run of ``steps`` steps, in optimizer updates (``None``:
+    a constant ``lr`` from the first update)."""
+    if t.lr_schedule == "constant" and t.lr_warmup_steps == 0:
+        return None
+    updates = schedule_of(t).updates
+    return LrSchedule(t.lr_schedule, t.lr_warmup_steps * updates, max(steps, 1) * updates)
+
+
+def engine_options(t: TrainerConfig, temperature: float, steps: int = 0) -> dict[str, Any]:
+    """``HFTrainEngine``'s arguments besides the model (``steps``: the run's, for the LR schedule)."""
     return {
         "lr": t.lr,
         "betas": t.betas,
@@ -62,17 +72,19 @@ def engine_options(t: TrainerConfig, temperature: float) -> dict[str, Any]:
         "share_prompts": t.share_prompts,
         "pack_row_tokens": t.pack_row_tokens,
         "lora": LoraSpec(t.lora_rank, t.lora_alpha, t.lora_targets) if t.lora_rank else None,
+        "lr_schedule": lr_schedule_of(t, steps),
     }
 
 
-def train_engine(model_dir: str | Path, t: TrainerConfig, temperature: float) -> HFTrainEngine:
-    """The policy's train engine, loaded from ``model_dir``."""
-    return HFTrainEngine(load_causal_lm(model_dir), **engine_options(t, temperature))
+def train_engine(model_dir: str | Path, t: TrainerConfig, temperature: float, steps: int) -> HFTrainEngine:
+    """The policy's train engine, loaded from ``model_dir``, its LR schedule over ``steps`` steps."""
+    return HFTrainEngine(load_causal_lm(model_dir), **engine_options(t, temperature, steps))
 
 
 def frozen_engine(model_dir: str | Path, t: TrainerConfig, temperature: float) -> HFTrainEngine:
     """The reference policy: the model at ``model_dir`` with gradients off (never stepped)."""
-    engine = HFTrainEngine(load_causal_lm(model_dir), **{**engine_options(t, temperature), "lr": 0.0, "lora": None})
+    options = {**engine_options(t, temperature), "lr": 0.0, "lora": None, "lr_schedule": None}
+    engine = HFTrainEngine(load_causal_lm(model_dir), **options)
     engine.model.requires_grad_(False)
     engine.model.eval()
     return engine

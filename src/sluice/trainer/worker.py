@@ -61,6 +61,7 @@ class TrainerWorker:
         trainer: TrainerConfig,
         temperature: float,
         group_size: int,
+        steps: int = 0,
         threads: int = 1,
         trace: bool = True,
         critic_sync: WeightSync | None = None,
@@ -69,10 +70,11 @@ class TrainerWorker:
         algorithm: Algorithm | None = None,
     ) -> None:
         torch.set_num_threads(threads)
-        self.engine: TrainEngine = engine or train_engine(model_dir, trainer, temperature)
+        self.engine: TrainEngine = engine or train_engine(model_dir, trainer, temperature, steps)
         """The policy's train engine (``engine`` / ``algorithm``: ones built elsewhere, e.g. a test's fakes)."""
         self.temperature = temperature
-        """The rollout's sampling temperature: log-probs are taken at it."""
+        """The rollout's sampling temperature: log-probs are taken at it (``steps``: the run's, which
+        the LR schedule spans)."""
         critic = critic_of(trainer)
         self.critic_spec = critic
         self.critic = critic.engine(model_dir) if critic is not None else None
