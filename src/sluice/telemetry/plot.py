@@ -56,13 +56,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def series(records: list[dict[str, Any]], kind: str, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
     """``key -> [(step, value)]`` of the records of ``kind`` that have a step and a finite number
-    under one of ``keys`` (a key ending in ``@`` takes every key with that prefix)."""
+    under one of ``keys`` (a key ending in ``@`` takes every key with that prefix, but not the
+    per-source ``<metric>/<data_source>`` ones: they stay in ``metrics.jsonl`` and the trackers)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for record in records:
         if record["kind"] != kind or not isinstance(record.get("step"), int):
             continue
         for key, value in record.items():
-            wanted = any(key.startswith(k) if k.endswith("@") else key == k for k in keys)
+            wanted = "/" not in key and any(key.startswith(k) if k.endswith("@") else key == k for k in keys)
             if wanted and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 out.setdefault(key, []).append((record["step"], float(value)))
     return out
