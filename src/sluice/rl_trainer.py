@@ -81,7 +81,8 @@ class RLTrainer:
         check_user_data(config, reward_given=reward is not None)
         check_reward(config.reward, reward, self.max_new_tokens)  # reward.fn / by_source imported: errors here
         self.reward: RewardFn = reward or self.task.reward
-        self.run_dir = Path(config.run.output_dir) / config.run.name
+        self.run_dir = (Path(config.run.output_dir) / config.run.name).absolute()
+        """Absolute, like ``model_dir``: worker processes (Ray actors) may run in another directory."""
         self.model_dir: Path | None = None
         self._engines_ready = False
         self._data_ready = False
@@ -104,11 +105,12 @@ class RLTrainer:
         ``train=False`` loads one inference engine in this process instead (``evaluate``)."""
         cfg = self.config
         if cfg.model.path is None:
-            self.model_dir = ensure_base_model(
+            model_dir = ensure_base_model(
                 self.task, cfg.model.cache_dir, cfg.run.seed, cfg.task.eval_prompts, on_step=on_sft_step
             )
         else:
-            self.model_dir = Path(cfg.model.path)
+            model_dir = Path(cfg.model.path)
+        self.model_dir = Path(model_dir).absolute()  # worker processes may run in another directory
         self.tokenizer = load_tokenizer(self.model_dir)
         if not train:
             self.engine = HFInferenceEngine(load_causal_lm(self.model_dir), max_batch=cfg.rollout.max_batch)

@@ -10,7 +10,9 @@ from sluice.rollout.proxy import LLMProxy
 from sluice.rollout.replicas import RayReplica
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig
 
-CONFIG = SimEngineConfig(decode_s=0.01, load_s=0.1, time_scale=0.05, lengths=LengthModel(300, 0.0, 0.2))
+CONFIG = SimEngineConfig(decode_s=0.01, load_s=0.1, time_scale=0.05, lengths=LengthModel(2000, 0.0, 0.2))
+"""Requests of ≈ 1 s of wall time each: a driver stalled by a loaded machine for a few tenths of a
+second still finds them running when it removes the replica."""
 
 
 def test_ray_replica_weights_and_removal(ray_cluster) -> None:
@@ -18,7 +20,7 @@ def test_ray_replica_weights_and_removal(ray_cluster) -> None:
     local = SimEngine(CONFIG)
     proxy = LLMProxy([actor, local], poll_s=0.01)
     assert isinstance(proxy._states[0].replica, RayReplica)
-    requests = [GenerationRequest(f"r{i}", (1, 2), SamplingParams(2000), seed=i) for i in range(6)]
+    requests = [GenerationRequest(f"r{i}", (1, 2), SamplingParams(8000), seed=i) for i in range(6)]
 
     async def main():
         await proxy.sync_weights({"w": 1.0}, 1, "interrupt")

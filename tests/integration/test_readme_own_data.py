@@ -26,7 +26,10 @@ def _blocks(section: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
-def test_the_readme_own_data_commands_run_verbatim(tmp_path, monkeypatch, capsys):
+def test_the_readme_own_data_commands_run_verbatim(tmp_path, monkeypatch, capsys, request):
+    """Ray already runs, started from another directory (as a cluster is): the README's relative
+    paths must still reach the workers."""
+    request.getfixturevalue("ray_cluster")
     section = _own_data_section()
     [config] = _blocks(section, "yaml")
     [commands] = _blocks(section, "bash")
