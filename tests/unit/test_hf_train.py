@@ -134,3 +134,22 @@ def test_save_load_roundtrip(tmp_path) -> None:
     a.load(str(tmp_path))
     for k, v in a.export_weights().items():
         assert torch.equal(v, saved[k]), k
+
+
+def test_the_log_prob_gap_is_measured_on_the_steps_first_micro_batch() -> None:
+    """``logprob_gap_mean`` / ``_max``: |behaviour − trainer| log-probs over the first micro-batch's
+    loss tokens, before the update (samples whose behaviour log-probs are the engine's own plus
+    0.25 give 0.25; a later micro-batch's far larger gap does not count)."""
+    import dataclasses
+
+    engine = HFTrainEngine(tiny_model(), lr=1e-3)
+    samples = make_samples(6)
+    own = engine.logprobs(samples, 1.0)
+    first = [dataclasses.replace(s, behav_logprobs=tuple(x + 0.25 for x in own[i])) for i, s in enumerate(samples[:3])]
+    later = [
+        dataclasses.replace(s, behav_logprobs=tuple(x - 5.0 for x in own[3 + i])) for i, s in enumerate(samples[3:])
+    ]
+    batches = step_batches(engine, first + later, [3, 3])
+    metrics = run_step(engine, batches, GRPOAlgorithm(), 1.0)
+    assert metrics["logprob_gap_mean"] == pytest.approx(0.25, abs=1e-4)
+    assert metrics["logprob_gap_max"] == pytest.approx(0.25, abs=1e-4)

@@ -128,8 +128,13 @@ class HFTrainEngine:
         ``padded_token_budget`` positions, so a long-tailed batch is not padded to its longest
         row. The chunking depends only on the micro-batch, so it is deterministic.
         """
+        first = not self._totals["micro_batches"]
         for rows in self.plan_forwards(mb.samples, self.padded_token_budget):
-            out = algorithm.loss(self._loss_inputs(mb, rows, algorithm.uses_entropy))
+            inputs = self._loss_inputs(mb, rows, algorithm.uses_entropy)
+            if first:  # the train-inference log-prob gap, before this update changes the weights
+                self._totals.update(logprob_gap(inputs))
+                first = False
+            out = algorithm.loss(inputs)
             out.loss.backward()
             self._totals["loss"] += float(out.loss.detach())
             for key, value in out.stats.items():
@@ -286,3 +291,13 @@ def reference_logp(samples: Sequence[Sample], device: torch.device) -> torch.Ten
 def _flatten(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
     """Ragged per-sample values → ``[tokens]`` float32."""
     return torch.tensor([x for row in rows for x in row], dtype=torch.float32, device=device)
+
+
+def logprob_gap(inputs: LossInputs) -> dict[str, float]:
+    """Mean and max ``|behaviour log-prob − the trainer's log-prob|`` over the loss tokens of one
+    forward chunk (engine-vs-trainer drift; with stale samples it includes the policy's lag)."""
+    mask = inputs.mask.bool()
+    gap = (inputs.behav_logp - inputs.logp.detach()).abs()[mask]
+    if not gap.numel():
+        return {}
+    return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max())}

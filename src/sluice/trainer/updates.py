@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from sluice.api import Algorithm, Sample, TrainEngine
 from sluice.trainer.step import InOrderPacker, run_step
 
-MEAN_METRICS = frozenset({"loss", "grad_norm", "lr"})
+MEAN_METRICS = frozenset({"loss", "grad_norm", "lr", "logprob_gap_mean", "logprob_gap_max"})
 """Per-update metrics averaged over a step's updates; every other metric is a sum."""
 
 
