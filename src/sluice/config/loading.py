@@ -41,15 +41,20 @@ def dump_config(cfg: SluiceConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def read_utf8(path: Path, error: type[Exception]) -> str:
+    """The file's text; bytes that are not UTF-8 raise ``error`` naming the file and 1-based line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise error(f"{path} line {line}: not UTF-8 text (byte {raw[err.start]:#04x})") from None
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw[: err.start].count(b"\n") + 1
-        raise ConfigError(f"{path} line {line}: not UTF-8 text (byte {raw[err.start]:#04x})") from None
+    text = read_utf8(path, ConfigError)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sluice.config.loading import read_utf8
+
 
 class DatasetError(ValueError):
     """A malformed dataset file or row; the message names the file and the 1-based line or row."""
@@ -86,12 +88,7 @@ def read_jsonl(path: str | Path) -> RowSet:
 
 
 def _read_json(p: Path) -> RowSet:
-    data = p.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise DatasetError(f"{p} line {line}: not UTF-8 text (byte {data[err.start]:#04x})") from None
+    text = read_utf8(p, DatasetError)
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as err:
