@@ -92,7 +92,9 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     one, one_weights = _run(model_dir, tmp_path, f"dp1-{updates}", *common, "run.mode=async", "rollout.max_staleness=0")
     # the ranks under the sync schedule with PPO's updates: the same steps as η = 0 streaming
     two_mode = ["run.mode=sync"] if updates == "ppo" else ["run.mode=async", "rollout.max_staleness=0"]
-    two, two_weights = _run(model_dir, tmp_path, f"dp2-{updates}", *common, *two_mode, "trainer.data_parallel=2")
+    two, two_weights = _run(
+        model_dir, tmp_path, f"dp2-{updates}", *common, *two_mode, "trainer.data_parallel=2", "trainer.strategy=ddp"
+    )
     assert _train(two, "step", "trained_tokens", "reward_mean") == _train(one, "step", "trained_tokens", "reward_mean")
     want_updates = 4.0 if updates == "ppo" else 1.0
     assert all(r["optimizer_steps"] == want_updates for r in two if r["kind"] == "train")

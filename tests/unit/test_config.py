@@ -96,7 +96,10 @@ def test_config_reference_is_current():
 
 def test_sync_is_eta_zero_and_refuses_only_what_needs_overlap():
     sync = ["run.mode=sync", "rollout.replicas=2", "rollout.redundant_groups=4", "rollout.filter_groups=zero_signal"]
-    cfg = load_config(None, [*sync, "rollout.engine=vllm", "agentic.env=calculator", "trainer.data_parallel=2"])
+    cfg = load_config(
+        None,
+        [*sync, "rollout.engine=vllm", "agentic.env=calculator", "trainer.data_parallel=2", "trainer.strategy=ddp"],
+    )
     assert cfg.rollout.max_staleness == 0 and cfg.rollout.replicas == 2 and cfg.trainer.data_parallel == 2
     assert load_config(None, ["run.mode=sync", "rollout.max_staleness=0"]).rollout.max_staleness == 0
     with pytest.raises(ConfigError, match=r"rollout\.max_staleness: run\.mode=sync trains on-policy"):
@@ -113,10 +116,10 @@ def test_sync_is_eta_zero_and_refuses_only_what_needs_overlap():
 
 
 def test_data_parallel_takes_ppo_updates_but_not_a_critic():
-    dp = ["run.mode=async", "run.backend=ray", "trainer.data_parallel=2"]
+    dp = ["run.mode=async", "run.backend=ray", "trainer.data_parallel=2", "trainer.strategy=ddp"]
     updates = ["trainer.ppo_mini_batches=4", "trainer.ppo_epochs=2", "trainer.prox_logprobs=recompute"]
     assert load_config(None, [*dp, *updates]).trainer.ppo_mini_batches == 4
     with pytest.raises(ConfigError, match="does not train a critic yet"):
         load_config(None, [*dp, "trainer.algorithm=ppo"])
     with pytest.raises(ConfigError, match=r"needs run\.backend: ray"):
-        load_config(None, ["trainer.data_parallel=2", "run.backend=local"])
+        load_config(None, ["trainer.data_parallel=2", "trainer.strategy=ddp", "run.backend=local"])

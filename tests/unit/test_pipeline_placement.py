@@ -27,9 +27,9 @@ def _spec(*overrides: str) -> PipelineSpec:
 
 def test_actors_share_cpus_so_trainer_ranks_and_reference_are_placed_together():
     # 2 CPUs: rollout + 2 trainer ranks must all start, or the ranks' rendezvous never completes
-    assert actor_cpu_share(2.0, _spec("trainer.data_parallel=2")) * 3 <= 2.0
+    assert actor_cpu_share(2.0, _spec("trainer.data_parallel=2", "trainer.strategy=ddp")) * 3 <= 2.0
     assert actor_cpu_share(2.0, _spec()) == 1.0  # rollout + one trainer: a CPU each
-    assert actor_cpu_share(16.0, _spec("trainer.data_parallel=4")) == 1.0
+    assert actor_cpu_share(16.0, _spec("trainer.data_parallel=4", "trainer.strategy=ddp")) == 1.0
     # with a KL term the trainer waits on the reference worker's column
     assert actor_cpu_share(2.0, _spec("trainer.kl_coef=0.01")) * 3 <= 2.0
 

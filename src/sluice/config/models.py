@@ -20,6 +20,7 @@ from sluice.config.modes import sync_is_eta_zero
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
 from sluice.config.tracking import TrackingConfig
+from sluice.config.trainer import TrainerConfig
 
 
 class RolloutConfig(_Section):
@@ -61,6 +62,11 @@ class RolloutConfig(_Section):
     ``defer`` (finish running sequences on the old weights, then swap; drain time is counted),
     ``staggered`` (replicas one at a time; a single engine behaves like ``defer``)."""
 
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations of the built-in engine (``engine: hf``; vLLM has ``vllm.dtype``).
+    ``bfloat16`` is faster on GPUs and AMX CPUs; the trainer's ``logprob_gap_*`` metrics show the
+    train-inference drift it adds."""
+
     engine: Literal["hf", "vllm", "sglang"] = "hf"
     """Inference engine of the rollout worker: ``hf`` (built-in torch continuous batching, no extra
     install), ``vllm`` (vLLM's AsyncLLM in the worker; options in ``vllm.*``; on CPU it needs
@@ -97,156 +103,6 @@ class RolloutConfig(_Section):
     stagger: int = Field(default=1, ge=1)
     """``weight_update: staggered``: how many replicas swap weights at a time while the others keep
     generating."""
-
-
-class TrainerConfig(_Section):
-    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
-    """Advantage estimator: ``grpo`` (group mean and std), ``dr_grpo`` (group mean only), ``rloo``
-    (leave-one-out group mean), ``reinforce_pp`` (REINFORCE++: rewards whitened over the global
-    batch's loss tokens), ``reinforce_pp_baseline`` (group mean subtracted, then whitened),
-    ``ppo`` (PPO with a critic: a value head on the policy's architecture, GAE advantages,
-    clipped value regression; in ``run.mode: async`` the critic's values are a queue task of
-    their own and the critic trains in the trainer's step; not with ``data_parallel`` > 1)."""
-
-    gae_gamma: float = Field(default=1.0, ge=0.0, le=1.0)
-    """``ppo``: GAE discount γ (1 for outcome rewards on finite responses)."""
-
-    gae_lambda: float = Field(default=1.0, ge=0.0, le=1.0)
-    """``ppo``: GAE λ; 1 gives Monte-Carlo returns minus the value baseline, lower trades
-    variance for the critic's bias (verl / AReaL use 1; classic PPO 0.95)."""
-
-    value_clip: float = Field(default=0.2, gt=0.0)
-    """``ppo``: the critic's new values are clipped to ``V_old ± value_clip`` in the value loss."""
-
-    critic_lr: float = Field(default=1e-4, gt=0.0)
-    """``ppo``: AdamW learning rate of the critic (it starts from the policy's weights with a
-    zero value head)."""
-
-    policy_loss: Literal["ppo_clip", "cispo", "gspo", "topr"] = "ppo_clip"
-    """Policy loss, each times the behaviour weight ``π_prox / π_behav``: ``ppo_clip`` (decoupled
-    PPO), ``cispo`` (clipped IS weight, REINFORCE-style), ``gspo`` (sequence-level ratio, clipped),
-    ``topr`` (no IS weight on positive advantages, ``clamp(ratio, 0, 1)`` on the others)."""
-
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses become the step's loss (verl's names): mean over the step's loss
-    tokens, or mean over its sequences of each sequence's token sum / token mean."""
-
-    dual_clip_c: float | None = Field(default=None, gt=1.0)
-    """PPO dual clip: for negative advantages the loss is bounded by ``c · |A|`` (``ppo_clip``
-    only; ``null`` disables; typical 3)."""
-
-    tis_cap: float | None = Field(default=None, gt=0.0)
-    """Truncated importance sampling: cap on the behaviour weight ``π_prox / π_behav``
-    (``null``: untruncated)."""
-
-    tis_mode: Literal["cap", "mask"] = "cap"
-    """What ``tis_cap`` does to a weight above it: ``cap`` clamps it to the cap, ``mask`` drops
-    the token (or sequence) from the loss (it still counts in the normaliser)."""
-
-    tis_level: Literal["token", "sequence"] = "token"
-    """Granularity of the behaviour weight: per token, or one per sequence
-    (``exp(Σ_t (log π_prox − log π_behav))``)."""
-
-    kl_coef: float = Field(default=0.0, ge=0.0)
-    """β of the KL to the frozen reference policy (the initial model); 0 disables it and the
-    reference step. Use 1e-3 to 1e-2 to keep a long run near the base model (verl: 1e-3); GRPO
-    on verifiable rewards usually runs without it."""
-
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token estimator of KL(π_θ ‖ π_ref), with δ = log π_ref − log π_θ: ``k1`` = −δ,
-    ``k2`` = δ²/2, ``k3`` = e^δ − 1 − δ (unbiased and ≥ 0: the usual choice for a loss term)."""
-
-    kl_in: Literal["loss", "reward"] = "loss"
-    """Where the KL enters: ``loss`` adds ``kl_coef ·`` the aggregated per-token KL (with
-    gradient; GRPO-style), ``reward`` subtracts ``kl_coef · Σ_t KL_t`` (behaviour vs reference
-    log-probs) from each sequence's reward before the advantages (RLHF-style; use ``k1``)."""
-
-    entropy_coef: float = Field(default=0.0, ge=0.0)
-    """Entropy bonus: subtracts ``entropy_coef ·`` the aggregated per-token entropy of π_θ from
-    the loss (0 disables it). Small values (1e-3) slow the collapse of exploration."""
-
-    lora_rank: int = Field(default=0, ge=0)
-    """LoRA (needs ``pip install sluice[lora]``): train rank-``r`` adapters on ``lora_targets``
-    instead of all weights; engines receive the merged weights. 0 trains every weight. Use it
-    when the optimizer state of a full fine-tune does not fit; raise ``lr`` (≈ 10×) with it."""
-
-    lora_alpha: float = Field(default=16.0, gt=0.0)
-    """LoRA scale numerator: the adapter update is ``(lora_alpha / lora_rank) · B A``."""
-
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """Module names (suffixes) that get adapters; the default covers a Llama-style block."""
-
-    lr: float = Field(default=1e-4, gt=0.0)
-    """Adam learning rate (the peak, with a schedule)."""
-
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """After the warmup: keep ``lr``, or decay it linearly / by a cosine to 0 at ``run.steps``."""
-
-    lr_warmup_steps: int = Field(default=0, ge=0)
-    """Steps over which the learning rate rises linearly from 0 to ``lr`` (0: none)."""
-
-    betas: tuple[float, float] = (0.9, 0.99)
-    """Adam betas."""
-
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    """AdamW weight decay."""
-
-    grad_clip: float = Field(default=1.0, gt=0.0)
-    """Global gradient-norm clip."""
-
-    clip_low: float = Field(default=0.2, ge=0.0)
-    """Ratio clip below 1 (``1 - clip_low``): PPO and GSPO ratio, CISPO's IS weight."""
-
-    clip_high: float = Field(default=0.2, ge=0.0)
-    """Ratio clip above 1 (``1 + clip_high``; raise it for DAPO clip-higher)."""
-
-    ppo_mini_batches: int = Field(default=1, ge=1)
-    """Optimizer updates per pass over a step's global batch: the batch is cut in arrival order
-    into this many nearly equal parts, each one AdamW update with its own normaliser; the policy
-    version still advances once per step. 1 (the default) lets the trainer accumulate while the
-    step's groups arrive; more updates wait for the whole batch. Use 2-8 (AReaL uses 4) for more
-    progress per generated sample, ideally with ``prox_logprobs: recompute``."""
-
-    ppo_epochs: int = Field(default=1, ge=1)
-    """Passes over a step's global batch (each pass takes ``ppo_mini_batches`` updates). More
-    than 1 reuses samples further off-policy; keep the clip on (``ppo_clip``, ``gspo``)."""
-
-    prox_logprobs: Literal["behav", "recompute"] = "behav"
-    """The proximal policy of the loss: ``behav`` uses the engine's sampling log-probs (standard
-    PPO); ``recompute`` recomputes log-probs with the trainer's weights at the start of the step,
-    once the step's global batch has arrived (decoupled PPO, AReaL eq. 5: the clip is a trust
-    region around the step's start, the behaviour weight corrects for staleness). Use
-    ``recompute`` with ``rollout.max_staleness`` ≥ 1 or ``ppo_mini_batches`` > 1; it costs one
-    extra forward pass per sample."""
-
-    micro_batch_tokens: int = Field(default=2048, ge=1)
-    """Token budget (prompt + response) of one micro-batch; gradients accumulate across them
-    with step-wide normalisation, so this changes memory and speed, never the result. Smaller
-    micro-batches let the streaming trainer start earlier in a step."""
-
-    data_parallel: int = Field(default=1, ge=1)
-    """Trainer processes (data-parallel ranks, ``torch.distributed``: gloo on CPU, NCCL on GPU).
-    Each trains its share of a step's groups, dealt by tokens; gradients are summed once per
-    optimizer update (each PPO mini-batch and epoch, under that mini-batch's normaliser over all
-    ranks), so the update equals one process's up to float rounding. Needs ``run.backend: ray``;
-    not with ``algorithm: ppo`` (the critic trains in one process). Each rank takes ``run.trainer_threads`` threads."""
-
-    layout: Literal["packed", "padded"] = "packed"
-    """Tensor layout of training forwards: ``packed`` (padding-free rows; with
-    ``share_prompts`` a group's prompt is computed once for all its responses) or ``padded`` (one
-    right-padded row per sample, length-sorted). Same result to float rounding; ``packed`` is
-    about 2× faster on the default task (``benchmarks/training.py``)."""
-
-    share_prompts: bool = True
-    """``packed`` layout: lay a group out as its prompt followed by every response, each response
-    attending to the prompt and itself only, so the prompt's forward and backward run once per
-    group instead of once per sample. Turn off to measure plain packing."""
-
-    pack_row_tokens: int = Field(default=0, ge=0)
-    """``packed`` layout: rows hold whole groups, first-fit, up to this many positions or the
-    longest group's length if that is more (0: the longest group's). Longer rows mean fewer rows
-    but attention over a row is dense (O(row²)) on CPU; raise it on platforms with varlen
-    attention kernels."""
 
 
 class RunConfig(_Section):
@@ -377,14 +233,13 @@ class SluiceConfig(_Section):
         t = self.trainer
         if t.lr_warmup_steps > self.run.steps:
             raise ValueError(f"trainer.lr_warmup_steps ({t.lr_warmup_steps}) exceeds run.steps ({self.run.steps})")
-        if t.data_parallel > 1:
-            if self.run.backend != "ray":
-                raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")
-            if t.algorithm == "ppo":
-                raise ValueError(
-                    "trainer.data_parallel > 1 does not train a critic yet: use trainer.data_parallel=1 with "
-                    "trainer.algorithm=ppo (the critic's updates are not summed over ranks)"
-                )
+        if t.data_parallel > 1 and self.run.backend != "ray":
+            raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")
+        if t.data_parallel > 1 and t.algorithm == "ppo":
+            raise ValueError(
+                "trainer.data_parallel > 1 does not train a critic yet: use trainer.data_parallel=1 with "
+                "trainer.algorithm=ppo (the critic's updates are not summed over ranks)"
+            )
         return self
 
     def engine_options(self) -> dict[str, Any]:
