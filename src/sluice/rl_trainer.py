@@ -38,8 +38,8 @@ from sluice.controller.step_by_step import StepByStep
 from sluice.controller.training import run_training
 from sluice.dag.run_dag import place_dag, plan_for_run
 from sluice.data import DatasetError, PromptBuilder, PromptSet, PromptStream, check_user_data, in_memory, prompt_limit
-from sluice.engines.hf_inference import HFInferenceEngine
-from sluice.engines.hf_model import load_causal_lm, load_tokenizer
+from sluice.engines import build_inference_engine
+from sluice.engines.hf_model import load_tokenizer
 from sluice.rewards import build_reward_service, check_reward
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
@@ -113,7 +113,9 @@ class RLTrainer:
         self.model_dir = Path(model_dir).absolute()  # worker processes may run in another directory
         self.tokenizer = load_tokenizer(self.model_dir)
         if not train:
-            self.engine = HFInferenceEngine(load_causal_lm(self.model_dir), max_batch=cfg.rollout.max_batch)
+            self.engine = build_inference_engine(
+                "hf", self.model_dir, max_batch=cfg.rollout.max_batch, options={"dtype": cfg.rollout.dtype}
+            )
             self.reward_service = build_reward_service(cfg.reward, self.reward)
         self.params = SamplingParams(
             max_new_tokens=self.max_new_tokens,

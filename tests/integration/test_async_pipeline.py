@@ -80,20 +80,27 @@ def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_pa
 PPO_UPDATES = ["trainer.ppo_mini_batches=2", "trainer.ppo_epochs=2", "trainer.prox_logprobs=recompute"]
 
 
-@pytest.mark.parametrize("updates", ["one", "ppo"])
-def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster, updates):
+@pytest.mark.parametrize(("updates", "strategy"), [("one", "ddp"), ("ppo", "ddp"), ("ppo", "fsdp2")])
+def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster, updates, strategy):
     """η = 0 makes the step's samples independent of timing, so two trainer ranks (gradients
-    summed by all-reduce, token-mean over the whole step) must match one trainer up to float
-    rounding; the ranks stay identical and the engine holds rank 0's weights. ``ppo``: four
-    updates per step (2 mini-batches × 2 epochs, proximal log-probs recomputed), each cut over the
-    step's order across both ranks, all-reduced and normalised by its whole mini-batch: a
-    per-rank normaliser or one all-reduce per step would move the losses and weights."""
+    summed by DDP's all-reduce or FSDP2's reduce-scatter, token-mean over the whole step) must
+    match one trainer up to float rounding; the ranks stay identical and the engine holds rank 0's
+    weights (under fsdp2 gathered bucket by bucket). ``ppo``: four updates per step (2
+    mini-batches × 2 epochs, proximal log-probs recomputed), each cut over the step's order across
+    both ranks, summed and normalised by its whole mini-batch: a per-rank normaliser or one
+    gradient sum per step would move the losses and weights."""
     common = ["run.backend=ray", "run.steps=2", *(PPO_UPDATES if updates == "ppo" else [])]
     one, one_weights = _run(model_dir, tmp_path, f"dp1-{updates}", *common, "run.mode=async", "rollout.max_staleness=0")
     # the ranks under the sync schedule with PPO's updates: the same steps as η = 0 streaming
     two_mode = ["run.mode=sync"] if updates == "ppo" else ["run.mode=async", "rollout.max_staleness=0"]
     two, two_weights = _run(
-        model_dir, tmp_path, f"dp2-{updates}", *common, *two_mode, "trainer.data_parallel=2", "trainer.strategy=ddp"
+        model_dir,
+        tmp_path,
+        f"dp2-{updates}",
+        *common,
+        *two_mode,
+        "trainer.data_parallel=2",
+        f"trainer.strategy={strategy}",
     )
     assert _train(two, "step", "trained_tokens", "reward_mean") == _train(one, "step", "trained_tokens", "reward_mean")
     want_updates = 4.0 if updates == "ppo" else 1.0

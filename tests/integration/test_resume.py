@@ -105,14 +105,18 @@ def _wait_for(predicate, what, timeout=900.0):  # generous: a loaded 2-core box 
         time.sleep(0.02)
 
 
-def test_sigkill_mid_step_then_resume_auto_trains_each_sample_once(tiny_task_model, tmp_path, ray_cluster):
+@pytest.mark.parametrize("ranks", ["single", "fsdp2"])
+def test_sigkill_mid_step_then_resume_auto_trains_each_sample_once(tiny_task_model, tmp_path, ray_cluster, ranks):
     """Ray async pipeline, η = 0: the driver's process group is SIGKILLed at a random point after
     the step-2 checkpoint (Ray then kills its rollout and trainer actors, requests in flight);
-    ``resume=auto`` finishes the run. Every sample is trained exactly once, as uninterrupted."""
+    ``resume=auto`` finishes the run. Every sample is trained exactly once, as uninterrupted.
+    ``fsdp2``: two trainer ranks, each writing its shard of the checkpoint (DCP) and reading it back."""
     address = ray_cluster.get_runtime_context().gcs_address
     steps = 8  # room after the kill point, however fast the machine trains a step
     run = _run(tiny_task_model, tmp_path, "killed", "run.mode=async", "rollout.max_staleness=0", f"run.steps={steps}")
     run += ["run.backend=ray", f"run.ray_address={address}"]
+    if ranks == "fsdp2":
+        run += ["trainer.data_parallel=2", "trainer.strategy=fsdp2", "trainer.lr_schedule=cosine"]
     run_dir = tmp_path / "killed"
     driver = subprocess.Popen(
         [sys.executable, "-m", "sluice.cli", "train", *run, "run.checkpoint_every=2", "run.keep_checkpoints=1"],
@@ -135,7 +139,10 @@ def test_sigkill_mid_step_then_resume_auto_trains_each_sample_once(tiny_task_mod
     assert 2 <= len(killed_at) < steps, killed_at
     cfg = load_config(None, [*run, "run.resume=auto"])
     RLTrainer(cfg).fit()
-    whole_cfg = load_config(None, [*run, "run.name=whole", "run.backend=local"])  # the same computation
+    if ranks == "fsdp2":
+        assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*/trainer/dcp/*.distcp"))
+    one_rank = ["trainer.data_parallel=1", "trainer.strategy=single"]  # the same samples in one process
+    whole_cfg = load_config(None, [*run, "run.name=whole", "run.backend=local", *one_rank])
     RLTrainer(whole_cfg).fit()
     ids, logged = trained_ids(run_dir)
     assert logged == list(range(1, steps + 1))

@@ -233,3 +233,18 @@ def test_cli_resume_shorthand_is_run_resume():
     from sluice.cli import _split_args
 
     assert _split_args(["cfg.yaml", "resume=auto", "run.steps=3"]) == ("cfg.yaml", ["run.resume=auto", "run.steps=3"])
+
+
+def test_a_changed_file_fails_the_checksum_before_anything_is_unpickled(tmp_path):
+    from sluice.controller.checkpoint import verify_checkpoint
+
+    store = CheckpointStore(tmp_path)
+    tmp = store.begin(3)
+    (tmp / "trainer").mkdir()
+    (tmp / "trainer" / "shard.bin").write_bytes(b"x" * 100)
+    (tmp / DRIVER_STATE).write_bytes(b"state")
+    path = store.commit(tmp, 3)
+    verify_checkpoint(path)  # as written
+    (path / "trainer" / "shard.bin").write_bytes(b"y" * 100)  # same size, other bytes
+    with pytest.raises(CheckpointError, match=r"shard\.bin does not match the checksum"):
+        verify_checkpoint(path)

@@ -33,10 +33,13 @@ def test_hf_is_the_default_and_unknown_names_fail(model_dir: Path) -> None:
         build_inference_engine("tgi", model_dir, max_batch=3)
 
 
-def test_engine_options_come_from_their_section_in_either_mode() -> None:
+def test_engine_options_come_from_their_section_in_either_mode(model_dir: Path) -> None:
     cfg = load_config(None, ["rollout.engine=vllm", "vllm.kv_cache_mb=64", "vllm.dtype=bfloat16"])
     assert cfg.engine_options()["kv_cache_mb"] == 64 and cfg.engine_options()["dtype"] == "bfloat16"
-    assert load_config(None, []).engine_options() == {}
+    assert load_config(None, []).engine_options() == {"dtype": "float32"}
+    bf16 = load_config(None, ["rollout.dtype=bfloat16"]).engine_options()
+    engine = build_inference_engine("hf", model_dir, max_batch=3, options=bf16)
+    assert next(engine.model.parameters()).dtype == torch.bfloat16  # rollout.dtype reaches the built-in engine
     sglang = load_config(None, ["rollout.engine=sglang", "sglang.url=http://10.0.0.2:30000"]).engine_options()
     assert sglang["url"] == "http://10.0.0.2:30000" and sglang["weights_dir"] == "/dev/shm"
     assert load_config(None, ["rollout.engine=vllm", "run.mode=sync"]).rollout.engine == "vllm"

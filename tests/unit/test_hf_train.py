@@ -120,7 +120,7 @@ def test_save_load_roundtrip(tmp_path) -> None:
     run_step(a, step_batches(a, samples, [3, 3]), algo, normaliser=1.0)
     saved = a.export_weights()
     a.save(str(tmp_path))
-    b = HFTrainEngine.from_pretrained(str(tmp_path), lr=1e-2)
+    b = HFTrainEngine(LlamaForCausalLM.from_pretrained(str(tmp_path)), lr=1e-2)
     b.load(str(tmp_path))
     for k, v in b.export_weights().items():
         assert torch.equal(v, saved[k]), k

@@ -12,7 +12,7 @@ from fakes import length_reward
 from sluice.api import SamplingParams
 from sluice.config import load_config
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
-from sluice.controller.ray_pipeline import RayPipeline, actor_cpu_share
+from sluice.controller.ray_pipeline import RayPipeline, actor_cpu_share, gpu_share
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
 from sluice.trainer.ppo import VALUES_COLUMN
@@ -65,3 +65,10 @@ def test_a_failed_column_task_stops_the_run_instead_of_leaving_the_trainer_waiti
     LocalPipeline._serve(local, Broken())  # type: ignore[arg-type]
     local._node_tasks.shutdown(wait=True)
     assert local.queue._closed and isinstance(local._served[0].exception(), ValueError)
+
+
+def test_workers_get_a_gpu_each_only_when_the_cluster_has_one_for_each():
+    assert gpu_share(0, 2) == (0.0, 0.0)  # CPU cluster: every engine on CPU
+    assert gpu_share(1, 2) == (1.0, 0.0)  # the rollout takes the GPU, the ranks train on CPU
+    assert gpu_share(8, 7) == (1.0, 1.0)  # 1 rollout + 7 trainer ranks on one 8-GPU node
+    assert gpu_share(8, 8) == (1.0, 0.0)

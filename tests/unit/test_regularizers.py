@@ -17,7 +17,8 @@ from sluice.api.types import LossInputs, LossOutputs
 from sluice.config import TrainerConfig
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.spec import load_dag
-from sluice.engines.hf_train import HFTrainEngine, token_entropy
+from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.response_tokens import token_entropy
 from sluice.queue import LocalQueue
 from sluice.queue.samples import REF_COLUMN, rows_to_samples, samples_to_rows, train_columns
 from sluice.trainer.algorithm import GRPOAlgorithm

@@ -101,8 +101,9 @@ class TrainEngine(Protocol):
         """``[samples][response tokens]`` log-probs under the current weights (no grad)."""
         ...
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the named parameters, for weight sync."""
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        """A detached copy of the named parameters, for weight sync (a sharded engine's may be
+        gathered as it is read)."""
         ...
 
     def save(self, path: str, *, optimizer: bool = True) -> None:

@@ -248,4 +248,4 @@ class SluiceConfig(_Section):
             return self.vllm.model_dump()
         if self.rollout.engine == "sglang":
             return self.sglang.model_dump()
-        return {}
+        return {"dtype": self.rollout.dtype}

@@ -2,7 +2,8 @@
 
 A checkpoint is ``<run dir>/checkpoints/step_NNNNNN/`` with ``trainer/`` (the train engine's HF
 folder, optimizer and RNG, written by whoever holds the trainer), ``driver.pkl`` (the driver's
-state, ``controller/resume.py``) and ``COMPLETE`` (a JSON manifest, written last). It is built in
+state, ``controller/resume.py``) and ``COMPLETE`` (a JSON manifest of every file with its size
+and SHA-256, written last; ``verify_checkpoint`` checks them before a resume unpickles anything). It is built in
 a ``.tmp-`` folder, every file and folder fsynced, then renamed into place and the parent
 fsynced: a crash at any point leaves either the whole checkpoint or a temp folder that resume
 ignores (and the next write removes). Only the newest ``keep`` complete checkpoints stay.
@@ -12,6 +13,7 @@ This module knows files, not what the state means; it does not capture or restor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -68,7 +70,9 @@ class CheckpointStore:
     def commit(self, tmp: Path, version: int) -> Path:
         """Seal ``tmp`` (manifest, fsync) and rename it into place; prune old checkpoints."""
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        (tmp / COMPLETE).write_text(json.dumps({"version": version, "files": files}))
+        sums = {name: _sha256(tmp / name) for name in files}
+        sizes = {name: (tmp / name).stat().st_size for name in files}
+        (tmp / COMPLETE).write_text(json.dumps({"version": version, "files": files, "bytes": sizes, "sha256": sums}))
         _fsync_tree(tmp)
         final = self.root / f"{_PREFIX}{version:06d}"
         if final.exists():  # a resumed run writing the step again: the new one replaces it
@@ -114,6 +118,26 @@ def incomplete_reason(path: Path) -> str | None:
     if DRIVER_STATE not in files or missing:
         return f"files missing: {missing or [DRIVER_STATE]}"
     return None
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Every file the manifest lists has its recorded size and SHA-256, before anything in it is
+    unpickled (the driver state, DCP's metadata); raises ``CheckpointError`` naming the file."""
+    manifest = json.loads((path / COMPLETE).read_text())
+    if "sha256" not in manifest:
+        raise CheckpointError(f"run.resume: {path} has no checksums in {COMPLETE} (written by an older sluice)")
+    for name, digest in manifest["sha256"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != manifest["bytes"][name] or _sha256(file) != digest:
+            raise CheckpointError(f"run.resume: {file} does not match the checksum in {path / COMPLETE}")
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def resolve_resume(spec: str | None, run_dir: str | Path) -> Path | None:

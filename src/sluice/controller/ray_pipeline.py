@@ -53,9 +53,12 @@ class RayPipeline(_Pipeline):
         # Every actor must be placed at once (the trainer ranks meet in a rendezvous, the trainer
         # waits on the reference worker), so they share the cluster's CPUs rather than queue for them.
         share = actor_cpu_share(ray.cluster_resources().get("CPU", 1.0), spec)
-        rollout_cls: Any = ray.remote(RolloutWorker).options(**_actor_options(spec.rollout_threads, over, share))
+        rollout_gpus, trainer_gpus = gpu_share(ray.cluster_resources().get("GPU", 0.0), spec.data_parallel)
+        rollout_options = _actor_options(spec.rollout_threads, over, share, rollout_gpus)
+        rollout_cls: Any = ray.remote(RolloutWorker).options(**rollout_options)
         self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async()))
-        trainer_cls: Any = ray.remote(TrainerWorker).options(**_actor_options(spec.trainer_threads, over, share))
+        trainer_options = _actor_options(spec.trainer_threads, over, share, trainer_gpus)
+        trainer_cls: Any = ray.remote(TrainerWorker).options(**trainer_options)
         self.critic_sync = None  # held here: the registry actor lives as long as this handle
         if spec.critic is not None:
             from sluice.weights import ObjectStoreWeightSync
@@ -154,7 +157,7 @@ class RayPipeline(_Pipeline):
         return [e for part in parts for e in part]
 
     async def save(self, path: str) -> None:
-        await self.trainer_actor.save.remote(path)
+        await asyncio.gather(*(a.save.remote(path) for a in self.trainer_actors))  # rank 0 writes
 
     async def trained_ids(self) -> list[str]:
         return await self.trainer_actor.trained_ids.remote()  # rank 0 holds every rank's
@@ -163,7 +166,7 @@ class RayPipeline(_Pipeline):
         return await self.trainer_actor.trained_samples.remote(count)  # a few, as token ids
 
     async def save_state(self, path: str) -> None:
-        await self.trainer_actor.save_state.remote(path)  # the ranks are replicas
+        await asyncio.gather(*(a.save_state.remote(path) for a in self.trainer_actors))  # fsdp2: a shard each
 
     async def load_state(self, path: str) -> int:
         versions = await asyncio.gather(*(a.load_state.remote(path) for a in self.trainer_actors))
@@ -200,12 +203,21 @@ def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:
     return min(1.0, cluster_cpus / actors)
 
 
-def _actor_options(threads: int, oversubscribed: bool, cpus: float = 1.0) -> dict[str, Any]:
+def gpu_share(cluster_gpus: float, trainer_ranks: int) -> tuple[float, float]:
+    """GPUs of the rollout actor and of each trainer rank: one each when the cluster has a GPU for
+    every one of them, else the rollout takes one if there is any and the trainer runs on CPU
+    (a worker's engines use CUDA exactly when Ray gave it a GPU)."""
+    if cluster_gpus >= 1 + trainer_ranks:
+        return 1.0, 1.0
+    return (1.0 if cluster_gpus >= 1 else 0.0), 0.0
+
+
+def _actor_options(threads: int, oversubscribed: bool, cpus: float = 1.0, gpus: float = 0.0) -> dict[str, Any]:
     """``cpus`` (at most one) for Ray's placement bookkeeping; the real thread count goes to OpenMP."""
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     if oversubscribed:  # spinning OpenMP workers would steal cores from the other actor
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return {"num_cpus": cpus, "runtime_env": {"env_vars": env}}
+    return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env}}
 
 
 def ensure_ray(address: str | None) -> None:

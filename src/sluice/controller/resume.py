@@ -34,6 +34,7 @@ from sluice.controller.checkpoint import (
     read_driver_state,
     resolve_resume,
     truncate_log,
+    verify_checkpoint,
     write_driver_state,
 )
 from sluice.controller.ledger import GroupLedger, GroupState
@@ -94,6 +95,7 @@ def open_checkpoints(config: SluiceConfig, run_dir: Path) -> tuple[CheckpointSto
     path = resolve_resume(config.run.resume, run_dir)
     if path is None:
         return store, None, None
+    verify_checkpoint(path)  # before any pickle in it is read (the driver's, DCP's metadata)
     state = read_driver_state(path)
     changed = config_changes(state.config, config.model_dump(mode="json"))
     if changed:

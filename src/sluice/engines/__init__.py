@@ -17,10 +17,15 @@ from sluice.api.protocols import InferenceEngine
 
 
 def _hf(model_dir: str | Path, max_batch: int, options: Mapping[str, Any]) -> InferenceEngine:
-    from sluice.engines.hf_inference import HFInferenceEngine
-    from sluice.engines.hf_model import load_causal_lm
+    """The built-in engine on this worker's device, in ``options["dtype"]`` (``rollout.dtype``)."""
+    import torch
 
-    return HFInferenceEngine(load_causal_lm(model_dir), max_batch=max_batch, **options)
+    from sluice.engines.hf_inference import HFInferenceEngine
+    from sluice.engines.hf_model import load_causal_lm, worker_device
+
+    rest = {k: v for k, v in options.items() if k != "dtype"}
+    model = load_causal_lm(model_dir, dtype=getattr(torch, options.get("dtype", "float32")))
+    return HFInferenceEngine(model, max_batch=max_batch, device=str(worker_device()), **rest)
 
 
 def _vllm(model_dir: str | Path, max_batch: int, options: Mapping[str, Any]) -> InferenceEngine:

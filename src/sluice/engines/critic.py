@@ -28,8 +28,8 @@ import torch
 
 from sluice.api.types import Sample
 from sluice.engines.hf_model import load_causal_lm
-from sluice.engines.hf_train import length_buckets
 from sluice.engines.padding import pad_batch
+from sluice.engines.response_tokens import length_buckets
 
 CRITIC_FILE = "critic.pt"
 """The critic's weights and optimizer state inside a checkpoint folder."""

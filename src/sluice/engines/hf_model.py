@@ -51,3 +51,14 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreT
     except (OSError, ValueError) as err:
         raise ModelPathError(f"model.path: cannot load a causal LM from {p}: {err}") from None
     return model
+
+
+def worker_device() -> torch.device:
+    """The device this process's placement gives it: its GPU when one is visible, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def on_device(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` moved, in place, to ``worker_device()``."""
+    torch.nn.Module.to(model, worker_device())  # transformers' typed `.to` confuses mypy
+    return model

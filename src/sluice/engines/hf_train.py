@@ -14,22 +14,28 @@ default task (``benchmarks/training.py``).
 
 The learning rate follows an optional ``LrSchedule`` (warmup, then constant / linear / cosine
 decay: ``transformers.get_scheduler``), stepped once per optimizer update and checkpointed
-beside the optimizer. Deliberately not here: FSDP / tensor parallelism, mixed precision, gradient
-checkpointing, and deciding micro-batch boundaries (the caller passes ``MicroBatch`` es from
-``trainer/step.py``). Log-probs use ``log_softmax(logits / T)``
-to match the engines' ``Completion.logprobs`` convention (``T <= 0`` means raw logits).
+beside the optimizer. ``dtype`` is the compute dtype (bf16: autocast over float32 master
+weights; under ``fsdp2`` its mixed-precision policy); ``distribute`` joins the ranks of the
+default process group as ``ddp`` or ``fsdp2`` (``engines/strategies.py``). Under ``fsdp2`` every
+forward is a collective, so ``accumulate`` holds the update's micro-batches and ``finish_step``
+and ``logprobs`` run the ranks' forwards in lockstep. Deliberately not here: tensor or pipeline
+parallelism, and deciding micro-batch boundaries (the caller passes ``MicroBatch`` es from
+``trainer/step.py``). Log-probs use ``log_softmax(logits / T)`` (in float32) to match the
+engines' ``Completion.logprobs`` convention (``T <= 0`` means raw logits).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+import torch.distributed as dist
+from transformers import PreTrainedModel
 
 from sluice.api.protocols import Algorithm
 from sluice.api.types import LossInputs, MicroBatch, Sample
@@ -37,11 +43,21 @@ from sluice.engines.lora import LoraSpec, apply_lora, load_adapters, merged_weig
 from sluice.engines.lr_schedule import LrSchedule
 from sluice.engines.packing import pack_batch, packed_chunks
 from sluice.engines.padding import pad_batch
+from sluice.engines.response_tokens import flatten_rows, length_buckets, logprob_gap, reference_logp, token_entropy
+from sluice.engines.strategies import (
+    SCHEDULER_FILE,
+    GatheredWeights,
+    full_tensor,
+    load_sharded,
+    lockstep_count,
+    save_sharded,
+    shard_fsdp2,
+    wrap_ddp,
+)
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "lr_scheduler.pt"
 
 
 class HFTrainEngine:
@@ -61,6 +77,10 @@ class HFTrainEngine:
         pack_row_tokens: in the packed layout, rows of whole groups up to this many positions or
             the longest group's length (dense attention makes long rows O(row²) on CPU).
         lora: train LoRA adapters only (``engines/lora.py``); weights are exported merged.
+        lr_schedule: the learning rate over the run's optimizer updates (``None``: constant).
+        dtype: compute dtype of forwards and backwards (master weights stay as loaded).
+        activation_checkpointing: recompute each layer's activations in the backward.
+        weight_bucket_bytes: ``fsdp2``: full tensors gathered per bucket of weight publication.
     """
 
     def __init__(
@@ -78,6 +98,9 @@ class HFTrainEngine:
         pack_row_tokens: int = 0,
         lora: LoraSpec | None = None,
         lr_schedule: LrSchedule | None = None,
+        dtype: torch.dtype = torch.float32,
+        activation_checkpointing: bool = False,
+        weight_bucket_bytes: int = 256 << 20,
     ) -> None:
         if layout not in ("packed", "padded"):
             raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
@@ -91,28 +114,61 @@ class HFTrainEngine:
         self.share_prompts = share_prompts
         self.pack_row_tokens = pack_row_tokens
         self.device = next(self.model.parameters()).device
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=betas, weight_decay=weight_decay)
-        self.scheduler = lr_schedule.build(self.optimizer) if lr_schedule is not None else None
+        self.compute_dtype = dtype
+        self.weight_bucket_bytes = weight_bucket_bytes
+        if activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.strategy = "single"
+        self.world_size = 1
+        self.rank = 0
+        self.forward_model: torch.nn.Module = self.model
+        """What training forwards go through (the DDP wrapper under ``ddp``)."""
+        self._pending: list[tuple[MicroBatch, Algorithm]] = []
+        self._optimizer_args = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        self._lr_schedule = lr_schedule
+        self._build_optimizer()
 
-    @classmethod
-    def from_pretrained(cls, path: str, **kwargs) -> HFTrainEngine:
-        """Load an fp32 model from an HF folder (no optimizer state; use ``load`` to resume)."""
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return cls(model, **kwargs)
+    def _build_optimizer(self) -> None:
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, **self._optimizer_args)  # type: ignore[arg-type]
+        self.scheduler = self._lr_schedule.build(self.optimizer) if self._lr_schedule is not None else None
+
+    def distribute(self, strategy: str, *, cpu_offload: bool = False) -> None:
+        """Become one rank of the default process group (already initialised) under ``strategy``:
+        ``ddp`` wraps the model, ``fsdp2`` shards it in place and rebuilds the optimizer over the
+        shards. Call before the first step."""
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.strategy = strategy
+        if strategy == "ddp":
+            self.forward_model = wrap_ddp(self.model, self.device)
+        elif strategy == "fsdp2":
+            if self.lora is not None:
+                raise ValueError("trainer.lora_rank with trainer.strategy: fsdp2 is not supported; use ddp")
+            shard_fsdp2(self.model, self.compute_dtype, cpu_offload)
+            self._build_optimizer()
+        elif strategy != "single":
+            raise ValueError(f"unknown trainer strategy {strategy!r}")
+
+    @property
+    def lockstep(self) -> bool:
+        """Forwards are collectives (``fsdp2``): every rank runs the same number of them."""
+        return self.strategy == "fsdp2"
 
     def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
         """Per-response-token log-probs of each sample under the current weights (no grad)."""
         result: list[list[float]] = [[] for _ in samples]
         self.model.eval()
-        with torch.no_grad():
-            for rows in self.plan_forwards(samples, self.forward_token_budget):
+        plan = self.plan_forwards(samples, self.forward_token_budget)
+        with torch.no_grad(), self._autocast():
+            for rows in plan:
                 batch = self._to_device(self.forward_inputs([[samples[i] for i in row] for row in rows]))
-                flat = self._response_logprobs(batch, temperature)[0].cpu()
+                flat = self._response_logprobs(batch, temperature, module=self.model)[0].cpu()
                 lengths = batch["response_lengths"].tolist()
                 indices = [i for row in rows for i in row]
                 for i, part in zip(indices, torch.split(flat, lengths), strict=True):
                     result[i] = part.tolist()
+            for _ in range(lockstep_count(len(plan), self.device) - len(plan) if self.lockstep else 0):
+                self._idle_pass(backward=False)
         return result
 
     def begin_step(self) -> None:
@@ -120,39 +176,86 @@ class HFTrainEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._totals: dict[str, float] = defaultdict(float)
+        self._pending = []
 
     def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
         """Forward + backward one micro-batch as soon as it is ready (gradients add up).
 
         Inside the micro-batch, rows are sorted by length and run in chunks of at most
         ``padded_token_budget`` positions, so a long-tailed batch is not padded to its longest
-        row. The chunking depends only on the micro-batch, so it is deterministic.
+        row. The chunking depends only on the micro-batch, so it is deterministic. Under
+        ``fsdp2`` the micro-batch waits for ``finish_step`` (the ranks' forwards run in lockstep).
         """
+        if self.lockstep:
+            self._pending.append((mb, algorithm))
+            return
+        with self._no_sync():
+            self._backward(mb, algorithm)
+
+    def _backward(self, mb: MicroBatch, algorithm: Algorithm) -> int:
+        """Forward + backward every chunk of ``mb``; returns how many forwards that took."""
         first = not self._totals["micro_batches"]
-        for rows in self.plan_forwards(mb.samples, self.padded_token_budget):
-            inputs = self._loss_inputs(mb, rows, algorithm.uses_entropy)
-            if first:  # the train-inference log-prob gap, before this update changes the weights
-                self._totals.update(logprob_gap(inputs))
-                first = False
-            out = algorithm.loss(inputs)
+        plan = self.plan_forwards(mb.samples, self.padded_token_budget)
+        for rows in plan:
+            with self._autocast():
+                inputs = self._loss_inputs(mb, rows, algorithm.uses_entropy)
+                if first:  # the train-inference log-prob gap, before this update changes the weights
+                    self._totals.update(logprob_gap(inputs))
+                    first = False
+                out = algorithm.loss(inputs)
             out.loss.backward()
             self._totals["loss"] += float(out.loss.detach())
             for key, value in out.stats.items():
                 self._totals[key] += value
         self._totals["micro_batches"] += 1.0
         self._totals["samples"] += float(len(mb.samples))
+        return len(plan)
+
+    def _synchronise(self) -> None:
+        """Sum the update's gradients over the ranks: ``fsdp2`` runs the held micro-batches with
+        idle forwards up to the busiest rank's count (each backward reduce-scatters); ``ddp`` runs
+        one idle backward outside ``no_sync``, which all-reduces the accumulated gradients."""
+        if self.lockstep:
+            pending, self._pending = self._pending, []
+            forwards = sum(self._backward(mb, algorithm) for mb, algorithm in pending)
+            for _ in range(lockstep_count(forwards, self.device) - forwards):
+                self._idle_pass(backward=True)
+        elif self.strategy == "ddp":
+            self._idle_pass(backward=True)
+
+    def _idle_pass(self, backward: bool) -> None:
+        """A one-token forward (and zero-loss backward): a collective's share, contributing nothing."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with self._autocast():
+            logits = self.forward_model(input_ids=ids, use_cache=False).logits
+        if backward:
+            (logits.float().sum() * 0.0).backward()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        """bf16 autocast of a forward (not under ``fsdp2``, whose policy casts the parameters)."""
+        if self.compute_dtype == torch.float32 or self.lockstep:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[object]:
+        """Backwards that only accumulate (``ddp``: no all-reduce until ``finish_step``)."""
+        if self.strategy == "ddp":
+            return self.forward_model.no_sync()  # type: ignore[operator]
+        return contextlib.nullcontext()
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale the accumulated gradients (``1 / normaliser`` when micro-batches were summed
         with normaliser 1 because the step's size was not known yet), clip, AdamW step."""
+        self._synchronise()
         totals = self._totals
-        if grad_scale != 1.0:
+        gradient_scale = grad_scale * self.world_size  # DDP and FSDP average over the ranks: sum
+        if gradient_scale != 1.0:
             for p in self._params:
                 if p.grad is not None:
-                    p.grad.mul_(grad_scale)
-            totals["loss"] *= grad_scale
+                    p.grad.mul_(gradient_scale)
+        totals["loss"] *= grad_scale
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self._params, max_norm)))
         skipped = not math.isfinite(grad_norm)
         if skipped:
             logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
@@ -165,9 +268,12 @@ class HFTrainEngine:
         totals["grad_norm"] = grad_norm
         return dict(totals)
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
         """Detached copies of the state dict; tied tensors stay shared in the copy. With LoRA, the
-        plain model's weights with the adapters merged in."""
+        plain model's weights with the adapters merged in. Under ``fsdp2``, full tensors gathered
+        bucket by bucket as the mapping is read (``GatheredWeights``: every rank must read it)."""
+        if self.lockstep:
+            return GatheredWeights(self.model, self.weight_bucket_bytes)
         if self.lora is not None:
             return merged_weights(self.model)
         copies: dict[int, torch.Tensor] = {}
@@ -180,7 +286,14 @@ class HFTrainEngine:
         return out
 
     def save(self, path: str, *, optimizer: bool = True) -> None:
-        """Write the HF model folder into ``path``, plus ``optimizer.pt`` for a checkpoint."""
+        """Write the HF model folder into ``path``, plus ``optimizer.pt`` for a checkpoint. Under
+        ``ddp`` rank 0 writes; under ``fsdp2`` every rank calls it: a checkpoint is each rank's
+        shard (``torch.distributed.checkpoint``), a model without optimizer is gathered."""
+        if self.lockstep:
+            save_sharded(self.model, self.optimizer if optimizer else None, self.scheduler, path, self.rank)
+            return
+        if self.rank > 0:
+            return
         os.makedirs(path, exist_ok=True)
         if self.lora is not None:
             save_merged(self.model, path)
@@ -193,13 +306,16 @@ class HFTrainEngine:
 
     def load(self, path: str) -> None:
         """Restore weights (in place, so the optimizer keeps its parameters) and optimizer state."""
-        if self.lora is not None:
+        if self.lockstep:
+            load_sharded(self.model, self.optimizer, path)  # the scheduler below
+        elif self.lora is not None:
             load_adapters(self.model, path)
         else:
             loaded = type(self.model).from_pretrained(path, dtype=torch.float32)
             self.model.load_state_dict(loaded.state_dict())
-        state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(state)
+        if not self.lockstep:
+            state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(state)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
 
@@ -220,9 +336,9 @@ class HFTrainEngine:
         reference log-probs, ``entropy`` on request)."""
         order = [i for row in rows for i in row]
         batch = self._to_device(self.forward_inputs([[mb.samples[i] for i in row] for row in rows]))
-        logp, entropy = self._response_logprobs(batch, self.temperature, with_entropy)
-        advantages = _flatten([mb.advantages[i] for i in order], self.device)
-        prox_logp = _flatten([mb.prox_logprobs[i] for i in order], self.device)
+        logp, entropy = self._response_logprobs(batch, self.temperature, with_entropy, self.forward_model)
+        advantages = flatten_rows([mb.advantages[i] for i in order], self.device)
+        prox_logp = flatten_rows([mb.prox_logprobs[i] for i in order], self.device)
         if not advantages.shape == prox_logp.shape == logp.shape:
             raise ValueError(
                 f"micro-batch signals misaligned: {advantages.numel()} advantages, "
@@ -241,17 +357,22 @@ class HFTrainEngine:
         )
 
     def _response_logprobs(
-        self, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+        self,
+        batch: dict[str, torch.Tensor],
+        temperature: float,
+        with_entropy: bool = False,
+        module: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[N]`` log-probs of the response tokens under ``log_softmax(logits / T)``, and their
-        distributions' ``[N]`` entropies when ``with_entropy``."""
-        logits = self.model(
+        distributions' ``[N]`` entropies when ``with_entropy`` (``module``: the model to run)."""
+        logits = (module or self.model)(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             position_ids=batch.get("position_ids"),
             use_cache=False,
         ).logits  # [B, T, V]
         picked = logits[batch["logit_rows"], batch["logit_cols"]]  # [N, V]
+        picked = picked.to(torch.promote_types(picked.dtype, torch.float32))  # bf16 logits: softmax in fp32
         if temperature > 0:
             picked = picked / temperature
         logp = torch.log_softmax(picked, dim=-1)
@@ -259,45 +380,11 @@ class HFTrainEngine:
         return logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1), entropy
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) for k, v in batch.items()}
-
-
-def length_buckets(samples: Sequence[Sample], padded_token_budget: int) -> list[list[int]]:
-    """Sample indices in length-sorted parts of at most ``padded_token_budget`` padded positions
-    (a row longer than the budget goes alone)."""
-    order = sorted(range(len(samples)), key=lambda i: (samples[i].num_tokens, i))
-    parts: list[list[int]] = []
-    for i in order:
-        longest = samples[i].num_tokens  # ascending, so the newest row is the longest
-        if parts and (len(parts[-1]) + 1) * longest <= padded_token_budget:
-            parts[-1].append(i)
-        else:
-            parts.append([i])
-    return parts
-
-
-def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
-    """``[tokens]`` entropy of each row of ``logp_all [tokens, vocab]`` (log-probabilities)."""
-    return -(torch.exp(logp_all) * logp_all).sum(dim=-1)
-
-
-def reference_logp(samples: Sequence[Sample], device: torch.device) -> torch.Tensor | None:
-    """``[tokens]`` reference log-probs of ``samples``, or ``None`` unless every sample has them."""
-    if not all(len(s.ref_logprobs) == len(s.response_ids) for s in samples):
-        return None
-    return _flatten([s.ref_logprobs for s in samples], device)
-
-
-def _flatten(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
-    """Ragged per-sample values → ``[tokens]`` float32."""
-    return torch.tensor([x for row in rows for x in row], dtype=torch.float32, device=device)
-
-
-def logprob_gap(inputs: LossInputs) -> dict[str, float]:
-    """Mean and max ``|behaviour log-prob − the trainer's log-prob|`` over the loss tokens of one
-    forward chunk (engine-vs-trainer drift; with stale samples it includes the policy's lag)."""
-    mask = inputs.mask.bool()
-    gap = (inputs.behav_logp - inputs.logp.detach()).abs()[mask]
-    if not gap.numel():
-        return {}
-    return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max())}
+        """The batch on the engine's device; a packed layout's additive mask in the dtype attention
+        runs in (a float32 mask beside other query dtypes gives wrong scores)."""
+        out = {k: v.to(self.device) for k, v in batch.items()}
+        mask = out["attention_mask"]
+        if mask.is_floating_point():
+            low = self.compute_dtype != torch.float32
+            out["attention_mask"] = mask.to(self.compute_dtype if low else next(self.model.parameters()).dtype)
+        return out

@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sluice.config import TrainerConfig
-from sluice.engines.hf_model import load_causal_lm
+from sluice.engines.hf_model import load_causal_lm, on_device
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lora import LoraSpec
 from sluice.engines.lr_schedule import LrSchedule
@@ -73,18 +75,22 @@ def engine_options(t: TrainerConfig, temperature: float, steps: int = 0) -> dict
         "pack_row_tokens": t.pack_row_tokens,
         "lora": LoraSpec(t.lora_rank, t.lora_alpha, t.lora_targets) if t.lora_rank else None,
         "lr_schedule": lr_schedule_of(t, steps),
+        "dtype": getattr(torch, t.dtype),
+        "activation_checkpointing": t.activation_checkpointing,
+        "weight_bucket_bytes": t.weight_bucket_mb << 20,
     }
 
 
 def train_engine(model_dir: str | Path, t: TrainerConfig, temperature: float, steps: int) -> HFTrainEngine:
     """The policy's train engine, loaded from ``model_dir``, its LR schedule over ``steps`` steps."""
-    return HFTrainEngine(load_causal_lm(model_dir), **engine_options(t, temperature, steps))
+    return HFTrainEngine(on_device(load_causal_lm(model_dir)), **engine_options(t, temperature, steps))
 
 
 def frozen_engine(model_dir: str | Path, t: TrainerConfig, temperature: float) -> HFTrainEngine:
     """The reference policy: the model at ``model_dir`` with gradients off (never stepped)."""
     options = {**engine_options(t, temperature), "lr": 0.0, "lora": None, "lr_schedule": None}
-    engine = HFTrainEngine(load_causal_lm(model_dir), **options)
+    options["activation_checkpointing"] = False
+    engine = HFTrainEngine(on_device(load_causal_lm(model_dir)), **options)
     engine.model.requires_grad_(False)
     engine.model.eval()
     return engine

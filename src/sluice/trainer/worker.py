@@ -9,8 +9,10 @@ new weights; a schedule of several updates (PPO mini-batches, epochs, recomputed
 log-probs) holds the step's samples and runs them all there. It is synchronous (a blocking queue
 read waits for the rows); the same class runs in a worker thread (``backend: local``) or as a
 Ray actor. With data parallelism (``join_data_parallel``) several workers each train the groups
-handed to them, told each group's place in the step, and sum gradients before every optimizer
-update (``trainer/data_parallel.py``); rank 0 publishes. With a critic (``algorithm: ppo``) the
+handed to them, told each group's place in the step, and their engine sums gradients before
+every optimizer update as ``trainer.strategy`` says (``ddp``, ``fsdp2``: ``engines/strategies.py``);
+rank 0 publishes (under ``fsdp2`` every rank takes part in gathering the weights, bucket by
+bucket, and in writing a checkpoint, each its shard). With a critic (``algorithm: ppo``) the
 rows also carry the critic-values task's ``values`` column, and the step trains the actor, then
 the critic (``trainer/ppo.py``), and publishes the critic before the policy
 (the critic-values node worker, ``dag/node_worker.py``, loads it). It does not choose groups.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,12 @@ import torch
 from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, TrainEngine, WeightSync
 from sluice.config import TrainerConfig
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.strategies import GatheredWeights, full_tensor
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.telemetry.samples import SampleSummary, summarize_samples
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.data_parallel import AllReducedEngine, DataParallelGroup, free_tcp_address
+from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
 from sluice.trainer.ppo import VALUES_COLUMN, ppo_critic_step
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.sections import algorithm_of, critic_of, schedule_of, train_engine
@@ -102,8 +105,10 @@ class TrainerWorker:
         self._trained: list[Sample] = []
         """The last finished step's samples, every rank's (``trained_samples`` shows a few)."""
         self.dp: DataParallelGroup | None = None
-        self.updater: TrainEngine = self.engine
-        """What takes optimizer updates: the engine, or the engine behind the ranks' all-reduce."""
+        self.strategy = trainer.strategy
+        self.cpu_offload = trainer.cpu_offload
+        if self.strategy != "single" and trainer.data_parallel == 1:  # one rank of its own group
+            self.join_data_parallel(free_tcp_address(), 0, 1)
 
     def rendezvous_address(self) -> str:
         """Where the data-parallel ranks meet (asked of rank 0, on its node)."""
@@ -111,16 +116,17 @@ class TrainerWorker:
 
     def join_data_parallel(self, address: str, rank: int, world_size: int) -> None:
         """Join the trainer ranks' process group; blocks until every rank has joined."""
-        self.dp = DataParallelGroup(address, rank, world_size)
-        assert isinstance(self.engine, HFTrainEngine), "data parallelism all-reduces a torch engine's gradients"
-        self.updater = AllReducedEngine(self.engine, self.dp)
+        assert isinstance(self.engine, HFTrainEngine), "data parallelism distributes a torch engine"
+        self.dp = DataParallelGroup(address, rank, world_size, self.engine.device)
+        self.engine.distribute(self.strategy, cpu_offload=self.cpu_offload)
         if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
             self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled)
 
     @property
     def holds_step(self) -> bool:
-        """The step's samples wait for ``finish_step``: whole-batch advantages or several updates."""
-        return self.algorithm.whole_batch_advantages or not self.schedule.streams
+        """The step's samples wait for ``finish_step``: whole-batch advantages, several updates, or
+        ``fsdp2`` (its forwards are collectives, which the ranks must run in lockstep)."""
+        return self.algorithm.whole_batch_advantages or not self.schedule.streams or self.strategy == "fsdp2"
 
     def begin_step(self) -> None:
         self._step = InOrderPacker(self.micro_batch_tokens)
@@ -170,7 +176,7 @@ class TrainerWorker:
             self._accumulate(mb)
         with self.tracer.span("optimizer_step", lane="trainer"):
             step_samples = self._everyone(self._step.samples)
-            metrics = self.updater.finish_step(grad_scale=1.0 / step_normaliser(step_samples, self.algorithm))
+            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(step_samples, self.algorithm))
             if self.dp is not None:
                 metrics = self.dp.sum_metrics(metrics)
         return self._publish(metrics, step_samples)
@@ -230,10 +236,7 @@ class TrainerWorker:
     def _publish(self, metrics: dict[str, float], samples: list[Sample]) -> dict[str, float]:
         """Version ``v + 1``: publish the weights, close the step, report."""
         self.version += 1
-        if self.dp is None or self.dp.rank == 0:
-            with self.tracer.span("weight_publish", lane="trainer", version=self.version):
-                self._publish_critic()
-                self.weight_sync.publish(self.engine.export_weights(), self.version)
+        self._publish_weights()
         trained = sum(len(s.response_ids) for s in samples)
         if self.reward_column:  # the reward the advantages saw, beside the rollout's ``reward_mean``
             mean = sum(s.reward for s in samples) / max(len(samples), 1)
@@ -249,6 +252,19 @@ class TrainerWorker:
             "version": float(self.version),
         }
 
+    def _publish_weights(self) -> None:
+        """Rank 0 publishes this version (the critic first); under ``fsdp2`` the other ranks take
+        their part in gathering the weights and drop them."""
+        if self.dp is not None and self.dp.rank > 0:
+            if self.strategy == "fsdp2":
+                weights = self.engine.export_weights()
+                assert isinstance(weights, GatheredWeights)
+                weights.drain()
+            return
+        with self.tracer.span("weight_publish", lane="trainer", version=self.version):
+            self._publish_critic()
+            self.weight_sync.publish(self.engine.export_weights(), self.version)
+
     def _publish_critic(self) -> None:
         """The critic of this version, before the policy: rows its policy generates find it."""
         if self.critic is not None and self.critic_sync is not None:
@@ -260,7 +276,8 @@ class TrainerWorker:
             unique = {id(t): t for t in self.engine.export_weights().values()}
             return self.version, float(sum(t.double().sum() for t in unique.values()))
         with torch.no_grad():
-            return self.version, float(sum(p.double().sum() for p in self.engine.model.parameters()))
+            params = self.engine.model.parameters()  # fsdp2: gathered (every rank calls this together)
+            return self.version, float(sum(full_tensor(p).double().sum() for p in params))
 
     def save(self, path: str) -> None:
         """The policy as an HF model folder: only what ``from_pretrained`` needs (no optimizer state)."""
@@ -279,7 +296,9 @@ class TrainerWorker:
         """Checkpoint between steps: weights and optimizer (``path`` becomes an HF folder), this
         process's RNG and the policy version."""
         assert self._step is None, "checkpoint between steps only"
-        self.engine.save(path)
+        self.engine.save(path)  # every rank calls it: under fsdp2 each writes its shard
+        if self.dp is not None and self.dp.rank > 0:
+            return
         if self.critic is not None:
             self.critic.save(path)
         torch.save({"version": self.version, "rng": capture_rng()}, Path(path) / TRAINER_STATE)
@@ -293,9 +312,7 @@ class TrainerWorker:
         state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)  # our own file: RNG tuples
         self.version = int(state["version"])
         restore_rng(state["rng"])
-        if self.dp is None or self.dp.rank == 0:
-            self._publish_critic()
-            self.weight_sync.publish(self.engine.export_weights(), self.version)
+        self._publish_weights()
         return self.version
 
     def drain_trace(self) -> list[dict[str, Any]]:
@@ -309,28 +326,28 @@ class TrainerWorker:
 
 
 class _Traced:
-    """The worker's updater with each micro-batch traced as the streaming path traces it."""
+    """The worker's engine with each micro-batch traced as the streaming path traces it."""
 
     def __init__(self, worker: TrainerWorker) -> None:
         self.worker = worker
 
     def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
-        return self.worker.updater.logprobs(samples, temperature)
+        return self.worker.engine.logprobs(samples, temperature)
 
     def begin_step(self) -> None:
-        self.worker.updater.begin_step()
+        self.worker.engine.begin_step()
 
     def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
         self.worker._accumulate(mb)
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
-        return self.worker.updater.finish_step(grad_scale)
+        return self.worker.engine.finish_step(grad_scale)
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        return self.worker.updater.export_weights()
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        return self.worker.engine.export_weights()
 
     def save(self, path: str, *, optimizer: bool = True) -> None:
-        self.worker.updater.save(path, optimizer=optimizer)
+        self.worker.engine.save(path, optimizer=optimizer)
 
     def load(self, path: str) -> None:
-        self.worker.updater.load(path)
+        self.worker.engine.load(path)
