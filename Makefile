@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: run test lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps
+.PHONY: run test lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
 
 venv: $(STAMP)
 
@@ -76,5 +76,20 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 vllm-test: $(VLLM_STAMP)
 	$(VLLM_BIN)/pytest -p no:cacheprovider tests/integration/test_vllm_engine.py
 
+# The wheels scripts/gpu_check.sh installs on a GPU machine without network (docs/hardware.md):
+# sluice's dependencies for the local backend that a torch + transformers image lacks (pydantic,
+# rich and their own dependencies), as Python 3.12 x86_64 wheels. Heavy or optional ones (ray,
+# matplotlib, datasets, wandb) stay out: the local backend imports them only when used.
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_REQS := "pydantic>=2.7,<3" "rich>=13"
+PIP ?= $(BIN)/pip
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PIP) download --quiet --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_REQS)
+	@ls $(GPU_WHEELS) && du -sh $(GPU_WHEELS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .cache runs $(GPU_WHEELS)

@@ -42,3 +42,13 @@ def tiny_task_model(tmp_path_factory):
     from tiny import save_tiny_task_model
 
     return save_tiny_task_model(tmp_path_factory.mktemp("tiny_task_model"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests skip, saying why, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
