@@ -93,15 +93,8 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     one, one_weights = _run(model_dir, tmp_path, f"dp1-{updates}", *common, "run.mode=async", "rollout.max_staleness=0")
     # the ranks under the sync schedule with PPO's updates: the same steps as η = 0 streaming
     two_mode = ["run.mode=sync"] if updates == "ppo" else ["run.mode=async", "rollout.max_staleness=0"]
-    two, two_weights = _run(
-        model_dir,
-        tmp_path,
-        f"dp2-{updates}",
-        *common,
-        *two_mode,
-        "trainer.data_parallel=2",
-        f"trainer.strategy={strategy}",
-    )
+    ranks = ["trainer.data_parallel=2", f"trainer.strategy={strategy}"]
+    two, two_weights = _run(model_dir, tmp_path, f"dp2-{updates}-{strategy}", *common, *two_mode, *ranks)
     assert _train(two, "step", "trained_tokens", "reward_mean") == _train(one, "step", "trained_tokens", "reward_mean")
     want_updates = 4.0 if updates == "ppo" else 1.0
     assert all(r["optimizer_steps"] == want_updates for r in two if r["kind"] == "train")
@@ -114,7 +107,7 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     weights = next(r for r in two if r["kind"] == "weights")  # fingerprints() checks the ranks agree
     assert weights["engine_version"] == weights["trainer_version"] == 2
     assert weights["engine_checksum"] == weights["trainer_checksum"]
-    trace = json.loads((tmp_path / f"dp2-{updates}" / "trace.json").read_text())
+    trace = json.loads((tmp_path / f"dp2-{updates}-{strategy}" / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     rank1 = {e["pid"] for e in events if e.get("ph") == "M" and e.get("args", {}).get("name") == "trainer1"}
     assert any(e.get("name") == "train_microbatch" and e.get("pid") in rank1 for e in events), "rank 1 never trained"

@@ -121,8 +121,8 @@ class HFTrainEngine:
         self.strategy = "single"
         self.world_size = 1
         self.rank = 0
-        self.forward_model: torch.nn.Module = self.model
-        """What training forwards go through (the DDP wrapper under ``ddp``)."""
+        self.ddp: torch.nn.Module | None = None
+        """``ddp``: the wrapper the synchronising pass goes through (micro-batches bypass it)."""
         self._pending: list[tuple[MicroBatch, Algorithm]] = []
         self._optimizer_args = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         self._lr_schedule = lr_schedule
@@ -140,7 +140,7 @@ class HFTrainEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.strategy = strategy
         if strategy == "ddp":
-            self.forward_model = wrap_ddp(self.model, self.device)
+            self.ddp = wrap_ddp(self.model, self.device)
         elif strategy == "fsdp2":
             if self.lora is not None:
                 raise ValueError("trainer.lora_rank with trainer.strategy: fsdp2 is not supported; use ddp")
@@ -159,15 +159,16 @@ class HFTrainEngine:
         result: list[list[float]] = [[] for _ in samples]
         self.model.eval()
         plan = self.plan_forwards(samples, self.forward_token_budget)
+        idle = lockstep_count(len(plan), self.device) - len(plan) if self.lockstep else 0  # agreed first
         with torch.no_grad(), self._autocast():
             for rows in plan:
                 batch = self._to_device(self.forward_inputs([[samples[i] for i in row] for row in rows]))
-                flat = self._response_logprobs(batch, temperature, module=self.model)[0].cpu()
+                flat = self._response_logprobs(batch, temperature)[0].cpu()
                 lengths = batch["response_lengths"].tolist()
                 indices = [i for row in rows for i in row]
                 for i, part in zip(indices, torch.split(flat, lengths), strict=True):
                     result[i] = part.tolist()
-            for _ in range(lockstep_count(len(plan), self.device) - len(plan) if self.lockstep else 0):
+            for _ in range(idle):
                 self._idle_pass(backward=False)
         return result
 
@@ -189,11 +190,10 @@ class HFTrainEngine:
         if self.lockstep:
             self._pending.append((mb, algorithm))
             return
-        with self._no_sync():
-            self._backward(mb, algorithm)
+        self._backward(mb, algorithm)
 
-    def _backward(self, mb: MicroBatch, algorithm: Algorithm) -> int:
-        """Forward + backward every chunk of ``mb``; returns how many forwards that took."""
+    def _backward(self, mb: MicroBatch, algorithm: Algorithm) -> None:
+        """Forward + backward every chunk of ``mb``."""
         first = not self._totals["micro_batches"]
         plan = self.plan_forwards(mb.samples, self.padded_token_budget)
         for rows in plan:
@@ -209,16 +209,20 @@ class HFTrainEngine:
                 self._totals[key] += value
         self._totals["micro_batches"] += 1.0
         self._totals["samples"] += float(len(mb.samples))
-        return len(plan)
 
     def _synchronise(self) -> None:
         """Sum the update's gradients over the ranks: ``fsdp2`` runs the held micro-batches with
         idle forwards up to the busiest rank's count (each backward reduce-scatters); ``ddp`` runs
-        one idle backward outside ``no_sync``, which all-reduces the accumulated gradients."""
+        one idle pass through the DDP wrapper, whose backward all-reduces the gradients the
+        micro-batches accumulated outside it (their forwards, never collectives, bypass it: DDP's
+        own forward may rebuild its buckets, a collective, and ranks run different numbers)."""
         if self.lockstep:
             pending, self._pending = self._pending, []
-            forwards = sum(self._backward(mb, algorithm) for mb, algorithm in pending)
-            for _ in range(lockstep_count(forwards, self.device) - forwards):
+            forwards = sum(len(self.plan_forwards(mb.samples, self.padded_token_budget)) for mb, _ in pending)
+            idle = lockstep_count(forwards, self.device) - forwards  # agreed before any forward
+            for mb, algorithm in pending:
+                self._backward(mb, algorithm)
+            for _ in range(idle):
                 self._idle_pass(backward=True)
         elif self.strategy == "ddp":
             self._idle_pass(backward=True)
@@ -227,7 +231,7 @@ class HFTrainEngine:
         """A one-token forward (and zero-loss backward): a collective's share, contributing nothing."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         with self._autocast():
-            logits = self.forward_model(input_ids=ids, use_cache=False).logits
+            logits = (self.ddp or self.model)(input_ids=ids, use_cache=False).logits
         if backward:
             (logits.float().sum() * 0.0).backward()
 
@@ -236,12 +240,6 @@ class HFTrainEngine:
         if self.compute_dtype == torch.float32 or self.lockstep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
-    def _no_sync(self) -> contextlib.AbstractContextManager[object]:
-        """Backwards that only accumulate (``ddp``: no all-reduce until ``finish_step``)."""
-        if self.strategy == "ddp":
-            return self.forward_model.no_sync()  # type: ignore[operator]
-        return contextlib.nullcontext()
 
     def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale the accumulated gradients (``1 / normaliser`` when micro-batches were summed
@@ -336,7 +334,7 @@ class HFTrainEngine:
         reference log-probs, ``entropy`` on request)."""
         order = [i for row in rows for i in row]
         batch = self._to_device(self.forward_inputs([[mb.samples[i] for i in row] for row in rows]))
-        logp, entropy = self._response_logprobs(batch, self.temperature, with_entropy, self.forward_model)
+        logp, entropy = self._response_logprobs(batch, self.temperature, with_entropy)
         advantages = flatten_rows([mb.advantages[i] for i in order], self.device)
         prox_logp = flatten_rows([mb.prox_logprobs[i] for i in order], self.device)
         if not advantages.shape == prox_logp.shape == logp.shape:
@@ -357,15 +355,11 @@ class HFTrainEngine:
         )
 
     def _response_logprobs(
-        self,
-        batch: dict[str, torch.Tensor],
-        temperature: float,
-        with_entropy: bool = False,
-        module: torch.nn.Module | None = None,
+        self, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[N]`` log-probs of the response tokens under ``log_softmax(logits / T)``, and their
-        distributions' ``[N]`` entropies when ``with_entropy`` (``module``: the model to run)."""
-        logits = (module or self.model)(
+        distributions' ``[N]`` entropies when ``with_entropy``."""
+        logits = self.model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             position_ids=batch.get("position_ids"),

@@ -1,8 +1,8 @@
 """How a train engine's model is laid out over the trainer ranks: ``single``, ``ddp``, ``fsdp2``.
 
 ``ddp`` wraps the model in torch ``DistributedDataParallel`` (a full replica per rank; the
-engine accumulates micro-batches under ``no_sync`` and one synchronising backward per optimizer
-update all-reduces the summed gradients). ``fsdp2`` applies torch ``fully_shard`` to every
+engine accumulates micro-batches through the bare model and one idle pass through the wrapper
+per optimizer update all-reduces the summed gradients). ``fsdp2`` applies torch ``fully_shard`` to every
 decoder layer and then to the root, with a ``MixedPrecisionPolicy`` (compute in the engine's
 dtype, gradients reduced in float32) and optionally ``CPUOffloadPolicy``: parameters, gradients
 and optimizer state live sharded, and every forward gathers one layer at a time, which makes each
@@ -52,8 +52,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``DistributedDataParallel`` over the default group (buffers are not re-broadcast per forward:
-    a forward must not be a collective, ranks run different numbers of them)."""
+    """``DistributedDataParallel`` over the default group, buffers not re-broadcast per forward."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device] if device.type == "cuda" else None

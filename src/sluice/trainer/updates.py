@@ -72,8 +72,9 @@ def proximal_logprobs(
     engine: TrainEngine, samples: Sequence[Sample], schedule: UpdateSchedule, temperature: float
 ) -> list[list[float]]:
     """``[samples][response tokens]``: the current policy's log-probs (decoupled PPO), or the
-    behaviour log-probs when the schedule does not recompute them."""
-    if schedule.recompute_prox and samples:
+    behaviour log-probs when the schedule does not recompute them. The engine is asked even for
+    no samples: a sharded engine's forwards are collectives its other ranks wait in."""
+    if schedule.recompute_prox:
         return engine.logprobs(samples, temperature)
     return [list(s.behav_logprobs) for s in samples]
 
