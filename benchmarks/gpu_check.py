@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -153,12 +152,15 @@ def check_trainer(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from sluice.config import TrainerConfig
+    from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
     from sluice.trainer.sections import train_engine
 
     cfg = TrainerConfig(strategy=strategy, dtype="bfloat16")
-    placement = {"device": args.device} if "device" in inspect.signature(train_engine).parameters else {}
-    engine = train_engine(args.model_dir, cfg, 1.0, _sizes(args.small)["steps"], **placement)
+    engine = train_engine(args.model_dir, cfg, 1.0, _sizes(args.small)["steps"])  # on the visible GPU
     try:
+        if strategy != "single":  # one rank of its own group, as TrainerWorker does for data_parallel=1
+            DataParallelGroup(free_tcp_address(), 0, 1, engine.device)
+            engine.distribute(strategy)
         param = next(engine.model.parameters())
         if param.device.type != args.device:
             raise RuntimeError(f"train_engine placed the model on {param.device}, not {args.device}")
@@ -217,12 +219,12 @@ def check_train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from sluice.cli import main as sluice_main
 
     run = [f"run.mode={mode}", "run.backend=local", f"run.output_dir={args.workdir}", f"run.name={mode}",
-           "run.progress=false", "tracking.plot=false", f"model.cache_dir={Path(args.workdir) / 'cache'}"]  # fmt: skip
+           "run.progress=false", "tracking.plot=false"]  # fmt: skip
     if args.small:  # the random small model, one tiny step, rewards scored in the process
         run += [f"model.path={args.model_dir}", "run.steps=1", "run.eval_every=0", "run.threads=1",
                 "rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8",
                 "task.train_prompts=8", "reward.pool_size=0"]  # fmt: skip
-    else:
+    else:  # the default task's tiny model from model.cache_dir (carry .cache/sluice to skip its warm start)
         run += ["run.steps=5", "run.eval_every=5", "task.eval_prompts=64"]
     started = time.perf_counter()
     code = sluice_main(["train", *run])

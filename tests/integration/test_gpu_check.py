@@ -45,7 +45,7 @@ def test_gpu_check_small_on_cpu(tmp_path):
     assert _table_rows(done.stdout) == list(gpu_check.ROWS)
     status = {r["check"]: r["status"] for r in report["rows"]}
     assert list(status) == list(gpu_check.ROWS)
-    assert status.pop("trainer fsdp2") in ("ok", "n/a")  # n/a until the engine shards with fsdp2
+    assert status.pop("trainer fsdp2") == "ok"
     assert set(status.values()) == {"ok"}, report["rows"]
     rows = {r["check"]: r for r in report["rows"]}
     assert all(r["device"] == "cpu" for r in rows.values())
