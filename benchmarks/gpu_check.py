@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROWS = ("imports", "model", "trainer single", "trainer fsdp2", "engine", "train sync", "train async")
+ROWS = ("imports", "model", "trainer single", "trainer fsdp2", "fsdp2 offl+ckpt", "engine", "train sync", "train async")
 MARK = "GPU_CHECK_ROW "
 FULL = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
 SMALL = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 64}
@@ -147,7 +147,7 @@ def _train_steps(args: argparse.Namespace, engine: Any, cfg: Any) -> tuple[list[
     return times, losses, tokens
 
 
-def check_trainer(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+def check_trainer(args: argparse.Namespace, strategy: str, **options: bool) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -155,12 +155,12 @@ def check_trainer(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
     from sluice.trainer.sections import train_engine
 
-    cfg = TrainerConfig(strategy=strategy, dtype="bfloat16")
+    cfg = TrainerConfig(strategy=strategy, dtype="bfloat16", **options)
     engine = train_engine(args.model_dir, cfg, 1.0, _sizes(args.small)["steps"])  # on the visible GPU
     try:
         if strategy != "single":  # one rank of its own group, as TrainerWorker does for data_parallel=1
             DataParallelGroup(free_tcp_address(), 0, 1, engine.device)
-            engine.distribute(strategy)
+            engine.distribute(strategy, cpu_offload=cfg.cpu_offload)
         param = next(engine.model.parameters())
         if param.device.type != args.device:
             raise RuntimeError(f"train_engine placed the model on {param.device}, not {args.device}")
@@ -176,7 +176,8 @@ def check_trainer(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     step_s = statistics.median(times[1:] or times)
     row = {"seconds": sum(times), "tokens_per_s": tokens / step_s, "step_s": step_s, "losses": losses}
     row["detail"] = (f"{len(times)} steps of {tokens:.0f} tokens, step {step_s:.3f} s, params {param.dtype}, "
-                     f"sharded {sharded}, loss {losses[-1]:.4g}")  # fmt: skip
+                     f"sharded {sharded}, loss {losses[-1]:.4g}"
+                     + "".join(f", {k} {v}" for k, v in options.items()))  # fmt: skip
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"loss not finite: {losses}")
     return row
@@ -251,6 +252,8 @@ def run_row(args: argparse.Namespace, name: str) -> dict[str, Any]:
     checks = {
         "imports": check_imports, "model": check_model, "engine": check_engine,
         "trainer single": lambda a: check_trainer(a, "single"), "trainer fsdp2": lambda a: check_trainer(a, "fsdp2"),
+        "fsdp2 offl+ckpt": lambda a: check_trainer(a, "fsdp2", cpu_offload=a.device == "cuda",
+                                                   activation_checkpointing=True),
         "train sync": lambda a: check_train(a, "sync"), "train async": lambda a: check_train(a, "async"),
     }  # fmt: skip
     row: dict[str, Any] = {"check": name, "device": args.device}

@@ -17,7 +17,13 @@ Rounds interleave the variants so machine noise hits all of them alike; the medi
 of the rounds is reported. ``positions/token`` is model positions computed per sample token
 (prompt + response): above 1 is padding, below 1 is prompt sharing. Prints a table, writes JSON.
 
+``strategies`` instead measures the trainer's strategies and dtypes (``harness/strategies.py``):
+for 1 / 2 ranks × {ddp, fsdp2} and single-rank float32 vs bfloat16, on the tiny model shape and a
+wider one, the bytes of parameters, gradients and optimizer state each rank holds after one step,
+and the step time.
+
     .venv/bin/python benchmarks/training.py [--steps 3] [--rounds 3]
+    .venv/bin/python benchmarks/training.py strategies [--steps 3]   # writes training_strategies.json
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 
 import torch
 from harness.report import write_results
+from harness.strategies import SHAPES, measure, print_table
 
 from sluice.api.types import MicroBatch, Sample
 from sluice.engines.hf_train import HFTrainEngine
@@ -100,13 +107,20 @@ def _positions(engine: HFTrainEngine, mbs: list[MicroBatch]) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", nargs="?", default="layouts", choices=("layouts", "strategies"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/training.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/training[_strategies].json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.table == "strategies":
+        rows = [row for shape in SHAPES for row in measure(shape, _steps(args.steps, groups=16, group_size=8, seed=1))]
+        print_table(rows)
+        write_results(args.out or "benchmarks/results/training_strategies.json", args, rows)
+        return
+    args.out = args.out or "benchmarks/results/training.json"
     task = TASKS["reverse_digits"]
     model = build_tiny_llama(task.model, build_char_tokenizer(task.alphabet), seed=0)
     algorithm = GRPOAlgorithm()

@@ -9,9 +9,9 @@ import weakref
 
 import pytest
 import torch
+from harness.ranks import run_ranks
 from test_updates import _fresh_and_stale
 
-from ranks import run_ranks
 from sluice.api import Sample
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lr_schedule import LrSchedule
@@ -174,3 +174,11 @@ def test_bf16_compute_stays_close_to_float32(stale):
     assert next(bf16.model.parameters()).dtype == torch.float32  # master weights stay float32
     update = _train(bf16, stale, None)[0]
     assert torch.isfinite(torch.tensor(update["loss"])) and update["grad_norm"] > 0
+
+
+def test_activation_checkpointing_recomputes_to_the_same_gradients(stale):
+    plain, recomputed = _engine(torch.float32), _engine(torch.float32, activation_checkpointing=True)
+    assert recomputed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    a, b = _train(plain, stale, None, steps=1), _train(recomputed, stale, None, steps=1)
+    assert [u["loss"] for u in b] == pytest.approx([u["loss"] for u in a], rel=1e-6)
+    assert [u["grad_norm"] for u in b] == pytest.approx([u["grad_norm"] for u in a], rel=1e-5)

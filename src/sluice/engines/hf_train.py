@@ -1,4 +1,4 @@
-"""``TrainEngine`` for a Hugging Face causal LM trained in plain PyTorch (fp32, one device).
+"""``TrainEngine`` for a Hugging Face causal LM trained in PyTorch (one rank of ``single`` / ``ddp`` / ``fsdp2``).
 
 Role: the reference training engine. ``logprobs`` recomputes per-response-token
 log-probs (proximal or reference policy) without grad; ``begin_step``, ``accumulate`` per

@@ -7,19 +7,22 @@ engine. Nothing else copies trainer fields by hand. It does not train or place a
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sluice.config import TrainerConfig
-from sluice.engines.hf_model import load_causal_lm, on_device
+from sluice.engines.hf_model import load_causal_lm, on_device, slow_bf16_reason
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lora import LoraSpec
 from sluice.engines.lr_schedule import LrSchedule
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.updates import UpdateSchedule
+
+logger = logging.getLogger(__name__)
 
 
 def algorithm_of(t: TrainerConfig) -> GRPOAlgorithm:
@@ -83,7 +86,11 @@ def engine_options(t: TrainerConfig, temperature: float, steps: int = 0) -> dict
 
 def train_engine(model_dir: str | Path, t: TrainerConfig, temperature: float, steps: int) -> HFTrainEngine:
     """The policy's train engine, loaded from ``model_dir``, its LR schedule over ``steps`` steps."""
-    return HFTrainEngine(on_device(load_causal_lm(model_dir)), **engine_options(t, temperature, steps))
+    model = on_device(load_causal_lm(model_dir))
+    slow = slow_bf16_reason(model.device) if t.dtype == "bfloat16" else None
+    if slow:
+        logger.warning("trainer.dtype=bfloat16 will be much slower than float32 here: %s", slow)
+    return HFTrainEngine(model, **engine_options(t, temperature, steps))
 
 
 def frozen_engine(model_dir: str | Path, t: TrainerConfig, temperature: float) -> HFTrainEngine:

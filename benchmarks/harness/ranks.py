@@ -11,6 +11,7 @@ import os
 import pickle
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,10 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, address: str,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
+    # a collective the ranks do not all reach fails in 2 minutes instead of hanging
+    dist.init_process_group(
+        "gloo", init_method=address, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     try:
         result = fn(rank, *args)
         (Path(tmp) / f"{rank}.pkl").write_bytes(pickle.dumps(result))
