@@ -158,12 +158,13 @@ def check_trainer(args: argparse.Namespace, strategy: str, **options: bool) -> d
     cfg = TrainerConfig(strategy=strategy, dtype="bfloat16", **options)
     engine = train_engine(args.model_dir, cfg, 1.0, _sizes(args.small)["steps"])  # on the visible GPU
     try:
-        if strategy != "single":  # one rank of its own group, as TrainerWorker does for data_parallel=1
-            DataParallelGroup(free_tcp_address(), 0, 1, engine.device)
-            engine.distribute(strategy, cpu_offload=cfg.cpu_offload)
         param = next(engine.model.parameters())
         if param.device.type != args.device:
             raise RuntimeError(f"train_engine placed the model on {param.device}, not {args.device}")
+        if strategy != "single":  # one rank of its own group, as TrainerWorker does for data_parallel=1
+            DataParallelGroup(free_tcp_address(), 0, 1, engine.device)
+            engine.distribute(strategy, cpu_offload=cfg.cpu_offload)  # offload: the shards move to CPU
+        param = next(engine.model.parameters())
         sharded = any(isinstance(p, DTensor) for p in engine.model.parameters())
         if strategy == "fsdp2" and not sharded:
             raise NotAvailable("train_engine left the model unsharded with trainer.strategy=fsdp2")
@@ -312,6 +313,7 @@ def main() -> int:
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else None
     parser.add_argument("--out", default=str(default_out or "benchmarks/results/gpu_check.json"))
     parser.add_argument("--row-timeout", type=float, default=180.0, help="seconds per row's process")
+    parser.add_argument("--rows", nargs="*", choices=ROWS, help="run only these rows (and the model they use)")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for all rows; later rows FAIL unrun")
     parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # internal: one row, in this process
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -325,7 +327,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sluice-gpu-check-") as tmp:
         args.workdir, args.model_dir = tmp, str(Path(tmp) / "model")
         rows, deadline = [], time.monotonic() + args.budget
-        for name in ROWS:
+        for name in [r for r in ROWS if not args.rows or r in args.rows or r == "model"]:
             left = deadline - time.monotonic()
             if left < 1:
                 rows.append({"check": name, "status": "FAIL", "device": args.device, "detail": "--budget spent"})
