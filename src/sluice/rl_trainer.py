@@ -17,6 +17,7 @@ over this class.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import time
@@ -233,6 +234,10 @@ class RLTrainer:
         with ``run.eval_every: 0`` or an empty evaluation set), the final model saved as an HF
         folder, metrics, samples and the timeline trace; the trackers closed, ``plot.png`` drawn."""
         cfg = self.config
+        if cfg.tracking.plot and importlib.util.find_spec("matplotlib") is None:  # say so before training
+            raise ConfigError(
+                "tracking.plot: matplotlib is not installed (pip install matplotlib, or tracking.plot=false)"
+            )
         if not self._engines_ready:
             self.init_engines()
         if not self._data_ready:

@@ -40,6 +40,8 @@ for mode in ("sync", "async"):
     run += ["run.steps=1", "run.backend=local", f"run.mode={mode}", "run.eval_every=0", "rollout.group_size=2",
             "rollout.prompts_per_step=2", "rollout.max_new_tokens=8", "task.train_prompts=8", "tracking.plot=false"]
     codes[mode] = sluice.cli.main(["train", *run])
+plotted = [o for o in run if o != "tracking.plot=false" and not o.startswith("run.name=")] + ["run.name=plot"]
+codes["plot"] = sluice.cli.main(["train", *plotted])  # the default tracking.plot needs matplotlib
 loaded = sorted(name for name in absent if sys.modules.get(name) is not None)
 print(json.dumps({"found": found, "ray_importable": ray_importable, "codes": codes, "loaded": loaded}))
 """
@@ -62,7 +64,9 @@ def test_local_backend_trains_without_ray_and_optional_packages(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["found"] == [], "the blocker did not hide these packages"
     assert report["ray_importable"] is False
-    assert report["codes"] == {"sync": 0, "async": 0}
+    assert report["codes"]["sync"] == report["codes"]["async"] == 0
+    assert report["codes"]["plot"] != 0 and "tracking.plot: matplotlib is not installed" in done.stderr
+    assert not (tmp_path / "plot" / "metrics.jsonl").exists()  # said before training, not after
     assert report["loaded"] == []
     for mode in ("sync", "async"):
         records = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
