@@ -80,7 +80,9 @@ def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_pa
 PPO_UPDATES = ["trainer.ppo_mini_batches=2", "trainer.ppo_epochs=2", "trainer.prox_logprobs=recompute"]
 
 
-@pytest.mark.parametrize(("updates", "strategy"), [("one", "ddp"), ("ppo", "ddp"), ("ppo", "fsdp2")])
+@pytest.mark.parametrize(
+    ("updates", "strategy"), [("one", "ddp"), ("ppo", "ddp"), pytest.param("ppo", "fsdp2", marks=pytest.mark.scale)]
+)
 def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster, updates, strategy):
     """η = 0 makes the step's samples independent of timing, so two trainer ranks (gradients
     summed by DDP's all-reduce or FSDP2's reduce-scatter, token-mean over the whole step) must

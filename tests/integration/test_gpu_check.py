@@ -15,7 +15,7 @@ from pathlib import Path
 import gpu_check
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.scale]
 
 ROOT = Path(__file__).resolve().parents[2]
 

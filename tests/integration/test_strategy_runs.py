@@ -7,8 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from sluice.engines.hf_model import load_causal_lm
 from tiny import tiny_run_overrides
+
+pytestmark = pytest.mark.scale
 
 
 def test_fsdp2_one_rank_trains_on_the_local_backend(tiny_task_model, tmp_path):

@@ -21,6 +21,8 @@ from sluice.trainer.updates import UpdateSchedule, mini_batch_plan, proximal_log
 from sluice.weights import InProcessWeightSync
 from tiny import tiny_llama
 
+pytestmark = pytest.mark.scale
+
 STEPS = 5
 SCHEDULE = UpdateSchedule(2, 2, recompute_prox=True)
 Trained = tuple[dict[str, torch.Tensor], list[dict[str, float]]]
@@ -182,3 +184,21 @@ def test_activation_checkpointing_recomputes_to_the_same_gradients(stale):
     a, b = _train(plain, stale, None, steps=1), _train(recomputed, stale, None, steps=1)
     assert [u["loss"] for u in b] == pytest.approx([u["loss"] for u in a], rel=1e-6)
     assert [u["grad_norm"] for u in b] == pytest.approx([u["grad_norm"] for u in a], rel=1e-5)
+
+
+def _rank_trains_lora(rank: int, samples: list[Sample]) -> list[dict]:
+    from sluice.engines.lora import LoraSpec
+
+    engine = _engine(torch.float32, lora=LoraSpec(4, 16.0, ("q_proj", "v_proj")))
+    if rank >= 0:
+        engine.distribute("ddp")
+    owned = [i for i, s in enumerate(samples) if (s.group_id == 1) == (rank == 1)] if rank >= 0 else None
+    return _train(engine, samples, owned, steps=2)
+
+
+def test_lora_adapters_train_under_ddp_as_in_one_process(stale):
+    one = _rank_trains_lora(-1, stale)
+    ranks = run_ranks(_rank_trains_lora, 2, stale)
+    summed = [a["loss"] + b["loss"] for a, b in zip(*ranks, strict=True)]
+    assert summed == pytest.approx([u["loss"] for u in one], rel=1e-4)
+    assert [u["grad_norm"] for u in ranks[0]] == pytest.approx([u["grad_norm"] for u in one], rel=1e-4)
