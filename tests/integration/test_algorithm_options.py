@@ -94,9 +94,9 @@ def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, 
     else:
         assert got == want
     assert streamed[-1]["value_mean"] != 0.0 and all(r["staleness_max"] == 0 for r in streamed)
-    with pytest.raises(ConfigError, match="does not train a critic yet"):
+    with pytest.raises(ConfigError, match="does not shard its critic yet"):
         load_config(
-            None, [*PPO, "run.mode=async", "run.backend=ray", "trainer.data_parallel=2", "trainer.strategy=ddp"]
+            None, [*PPO, "run.mode=async", "run.backend=ray", "trainer.data_parallel=2", "trainer.strategy=fsdp2"]
         )
 
 

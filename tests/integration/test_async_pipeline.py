@@ -81,7 +81,13 @@ PPO_UPDATES = ["trainer.ppo_mini_batches=2", "trainer.ppo_epochs=2", "trainer.pr
 
 
 @pytest.mark.parametrize(
-    ("updates", "strategy"), [("one", "ddp"), ("ppo", "ddp"), pytest.param("ppo", "fsdp2", marks=pytest.mark.scale)]
+    ("updates", "strategy"),
+    [
+        ("one", "ddp"),
+        ("ppo", "ddp"),
+        pytest.param("ppo", "fsdp2", marks=pytest.mark.scale),
+        pytest.param("critic", "ddp", marks=pytest.mark.scale),
+    ],
 )
 def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster, updates, strategy):
     """η = 0 makes the step's samples independent of timing, so two trainer ranks (gradients
@@ -91,19 +97,23 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     mini-batches × 2 epochs, proximal log-probs recomputed), each cut over the step's order across
     both ranks, summed and normalised by its whole mini-batch: a per-rank normaliser or one
     gradient sum per step would move the losses and weights."""
-    common = ["run.backend=ray", "run.steps=2", *(PPO_UPDATES if updates == "ppo" else [])]
+    critic = ["trainer.algorithm=ppo", "trainer.gae_lambda=0.95"] if updates == "critic" else []
+    common = ["run.backend=ray", "run.steps=2", *(PPO_UPDATES if updates != "one" else []), *critic]
     one, one_weights = _run(model_dir, tmp_path, f"dp1-{updates}", *common, "run.mode=async", "rollout.max_staleness=0")
     # the ranks under the sync schedule with PPO's updates: the same steps as η = 0 streaming
-    two_mode = ["run.mode=sync"] if updates == "ppo" else ["run.mode=async", "rollout.max_staleness=0"]
+    two_mode = ["run.mode=sync"] if updates != "one" else ["run.mode=async", "rollout.max_staleness=0"]
     ranks = ["trainer.data_parallel=2", f"trainer.strategy={strategy}"]
     two, two_weights = _run(model_dir, tmp_path, f"dp2-{updates}-{strategy}", *common, *two_mode, *ranks)
     assert _train(two, "step", "trained_tokens", "reward_mean") == _train(one, "step", "trained_tokens", "reward_mean")
-    want_updates = 4.0 if updates == "ppo" else 1.0
+    want_updates = 4.0 if updates != "one" else 1.0
     assert all(r["optimizer_steps"] == want_updates for r in two if r["kind"] == "train")
     for (loss1, norm1), (loss2, norm2) in zip(
         _train(one, "loss", "grad_norm"), _train(two, "loss", "grad_norm"), strict=True
     ):
         assert loss2 == pytest.approx(loss1, abs=1e-6) and norm2 == pytest.approx(norm1, rel=1e-5)
+    if updates == "critic":  # the critic's updates too: summed over the ranks under each mini-batch's tokens
+        for one_value, two_value in zip(_train(one, "value_loss"), _train(two, "value_loss"), strict=True):
+            assert two_value == pytest.approx(one_value, rel=1e-5)
     for name, value in one_weights.items():
         torch.testing.assert_close(two_weights[name], value, atol=1e-6, rtol=1e-5)
     weights = next(r for r in two if r["kind"] == "weights")  # fingerprints() checks the ranks agree

@@ -202,3 +202,36 @@ def test_lora_adapters_train_under_ddp_as_in_one_process(stale):
     summed = [a["loss"] + b["loss"] for a, b in zip(*ranks, strict=True)]
     assert summed == pytest.approx([u["loss"] for u in one], rel=1e-4)
     assert [u["grad_norm"] for u in ranks[0]] == pytest.approx([u["grad_norm"] for u in one], rel=1e-4)
+
+
+def _ppo_steps(rank: int, samples: list[Sample], values: list[list[float]], model_dir: str) -> list[dict]:
+    """3 PPO steps with a critic (2 mini-batches × 2 epochs); ``rank`` -1: one process."""
+    from sluice.engines.critic import CriticEngine
+    from sluice.trainer.ppo import StepShare, ppo_critic_step
+
+    actor, critic = _engine(), CriticEngine(model_dir, lr=1e-2, token_budget=24)
+    critic.model.double()
+    mine = [i for i, s in enumerate(samples) if rank < 0 or (s.group_id == 1) == (rank == 1)]
+    if rank >= 0:
+        actor.distribute("ddp")
+        critic.distribute("ddp")
+    share = StepShare(samples, values, mine)
+    held, held_values = [samples[i] for i in mine], [values[i] for i in mine]
+    algorithm = GRPOAlgorithm(estimator="gae")
+    return [
+        ppo_critic_step(actor, critic, held, algorithm, 64, SCHEDULE, 1.0, 1.0, 0.95, held_values, share)
+        for _ in range(3)
+    ]
+
+
+def test_two_ranks_train_actor_and_critic_as_one_process(stale, tmp_path):
+    tiny_llama(0).save_pretrained(tmp_path)
+    rng = torch.Generator().manual_seed(0)
+    values = [torch.randn(len(s.response_ids), generator=rng).tolist() for s in stale]
+    one = _ppo_steps(-1, stale, values, str(tmp_path))
+    ranks = run_ranks(_ppo_steps, 2, stale, values, str(tmp_path))
+    for key in ("loss", "value_loss", "value_tokens"):
+        summed = [a[key] + b[key] for a, b in zip(*ranks, strict=True)]
+        assert summed == pytest.approx([m[key] for m in one], rel=1e-5, abs=1e-9), key
+    for key in ("grad_norm", "value_grad_norm", "return_mean"):
+        assert [m[key] for m in ranks[0]] == pytest.approx([m[key] for m in one], rel=1e-5), key

@@ -25,11 +25,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from sluice.api.types import Sample
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.padding import pad_batch
 from sluice.engines.response_tokens import length_buckets
+from sluice.engines.strategies import wrap_ddp
 
 CRITIC_FILE = "critic.pt"
 """The critic's weights and optimizer state inside a checkpoint folder."""
@@ -66,6 +68,17 @@ class CriticEngine:
         self.grad_clip = grad_clip
         self.token_budget = token_budget
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.world_size = 1
+        self.ddp: torch.nn.Module | None = None
+
+    def distribute(self, strategy: str) -> None:
+        """Become one rank of the default process group: ``ddp`` (a replica per rank, gradients
+        all-reduced once per update). ``fsdp2`` does not shard the critic yet."""
+        if strategy == "fsdp2":
+            raise ValueError("trainer.algorithm=ppo with trainer.strategy: fsdp2 is not supported yet; use ddp")
+        if strategy == "ddp":
+            self.world_size = dist.get_world_size()
+            self.ddp = wrap_ddp(self.model, next(self.model.parameters()).device)
 
     def values(self, samples: Sequence[Sample]) -> list[list[float]]:
         """``[samples][response tokens]``: the value of the state before each response token,
@@ -102,13 +115,18 @@ class CriticEngine:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def train_step(
-        self, samples: Sequence[Sample], returns: Sequence[Sequence[float]], old_values: Sequence[Sequence[float]]
+        self,
+        samples: Sequence[Sample],
+        returns: Sequence[Sequence[float]],
+        old_values: Sequence[Sequence[float]],
+        total_tokens: float | None = None,
     ) -> dict[str, float]:
         """One AdamW step on the clipped value loss over ``samples``' loss tokens; summed stats
-        ``value_loss`` (the step's loss), ``value_clipped_tokens``, ``value_tokens``, ``value_grad_norm``."""
+        ``value_loss`` (the step's loss), ``value_clipped_tokens``, ``value_tokens``, ``value_grad_norm``.
+        ``total_tokens``: the update's loss tokens over every rank (default: ``samples``')."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total = float(max(sum(sum(s.loss_mask) for s in samples), 1))
+        total = float(max(total_tokens or sum(sum(s.loss_mask) for s in samples), 1))
         stats = {"value_loss": 0.0, "value_clipped_tokens": 0.0, "value_tokens": 0.0}
         for part in length_buckets(samples, self.token_budget):
             values, _ = self._forward([samples[i] for i in part])
@@ -120,6 +138,12 @@ class CriticEngine:
             stats["value_loss"] += float(loss.detach()) / total
             stats["value_clipped_tokens"] += clipped
             stats["value_tokens"] += float(mask.sum())
+        if self.ddp is not None:  # one pass through the wrapper all-reduces what the chunks accumulated
+            ids = torch.zeros((1, 1), dtype=torch.long, device=next(self.model.parameters()).device)
+            (self.ddp(ids, torch.ones_like(ids)).sum() * 0.0).backward()
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.world_size)  # DDP averages: the sum over the ranks
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         if math.isfinite(float(norm)):
             self.optimizer.step()

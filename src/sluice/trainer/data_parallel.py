@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from sluice.engines.strategies import collective_backend
 
-NOT_SUMMED = frozenset({"grad_norm", "skipped_steps", "optimizer_steps", "lr"})
+NOT_SUMMED = frozenset(
+    {"grad_norm", "skipped_steps", "optimizer_steps", "lr", "value_grad_norm", "value_mean", "return_mean"}
+)
 """Step metrics every rank computes identically after the gradient sum (not added across ranks)."""
 PER_RANK = {"logprob_gap_mean": "mean", "logprob_gap_max": "max"}
 """Step metrics of each rank's own first micro-batch: averaged or maxed over the ranks."""

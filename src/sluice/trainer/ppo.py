@@ -34,6 +34,7 @@ from sluice.trainer.losses.regularizers import kl_estimate
 from sluice.trainer.updates import (
     UpdateSchedule,
     merge_update_metrics,
+    mini_batch_plan,
     mini_batch_ranges,
     proximal_logprobs,
     run_updates,
@@ -103,6 +104,16 @@ def whiten(values: Sequence[Sequence[float]], masks: Sequence[Sequence[int]], ep
     ]
 
 
+@dataclass(frozen=True)
+class StepShare:
+    """A data-parallel rank's view of the step: every rank's samples and values in step order,
+    and the positions in it of this rank's own (``ppo_critic_step``'s ``samples``)."""
+
+    samples: Sequence[Sample]
+    values: Sequence[Sequence[float]]
+    mine: Sequence[int]
+
+
 def ppo_critic_step(
     actor: TrainEngine,
     critic: CriticEngine,
@@ -114,21 +125,32 @@ def ppo_critic_step(
     gamma: float = 1.0,
     lam: float = 1.0,
     values: Sequence[Sequence[float]] | None = None,
+    share: StepShare | None = None,
 ) -> dict[str, float]:
     """One PPO training step with a critic; the actor's merged metrics plus the critic's sums
     (``value_loss`` averaged over the critic's updates) and ``value_mean`` / ``return_mean``.
     ``values`` (``[samples][response tokens]``): taken already, as the asynchronous trainer reads
-    them from the queue; by default the critic values the samples now."""
+    them from the queue; by default the critic values the samples now. ``share``: under data
+    parallelism, the whole step (GAE's whitening and each mini-batch's normalisers span every
+    rank's samples; the engines sum the ranks' gradients)."""
     if values is None:
         values = critic.values(samples)
-    advantages, returns = gae_targets(samples, values, algorithm, gamma, lam)
+    if share is None:
+        share = StepShare(samples, values, range(len(samples)))
+    everyone_advantages, everyone_returns = gae_targets(share.samples, share.values, algorithm, gamma, lam)
+    advantages = [everyone_advantages[i] for i in share.mine]
+    returns = [everyone_returns[i] for i in share.mine]
     prox = proximal_logprobs(actor, samples, schedule, temperature)
+    plan = mini_batch_plan(share.samples, algorithm, schedule.mini_batches, share.mine)
     metrics = merge_update_metrics(
-        run_updates(actor, samples, advantages, prox, algorithm, micro_batch_tokens, schedule)
+        run_updates(actor, samples, advantages, prox, algorithm, micro_batch_tokens, schedule, plan)
     )
-    metrics.update(critic_updates(critic, samples, returns, values, schedule))
-    metrics["value_mean"] = loss_token_mean(values, samples)
-    metrics["return_mean"] = loss_token_mean(returns, samples)
+    whole = mini_batch_ranges(len(share.samples), schedule.mini_batches)  # the cuts mini_batch_plan made
+    tokens = [float(sum(sum(share.samples[i].loss_mask) for i in part)) for part in whole]
+    parts = [(part.mine, total) for part, total in zip(plan, tokens, strict=True)]
+    metrics.update(critic_updates(critic, samples, returns, values, schedule, parts))
+    metrics["value_mean"] = loss_token_mean(share.values, share.samples)
+    metrics["return_mean"] = loss_token_mean(everyone_returns, share.samples)
     return metrics
 
 
@@ -138,14 +160,20 @@ def critic_updates(
     returns: Sequence[Sequence[float]],
     values: Sequence[Sequence[float]],
     schedule: UpdateSchedule,
+    parts: Sequence[tuple[Sequence[int], float]] | None = None,
 ) -> dict[str, float]:
     """The critic's value-regression updates of one step, on the actor's schedule of mini-batches
-    and epochs; ``value_loss`` and ``value_grad_norm`` averaged over them, token counts summed."""
+    and epochs; ``value_loss`` and ``value_grad_norm`` averaged over them, token counts summed.
+    ``parts``: each mini-batch's indices into ``samples`` and its loss tokens over every rank
+    (data parallelism); by default ``samples`` are the whole step."""
+    if parts is None:
+        parts = [(part, None) for part in mini_batch_ranges(len(samples), schedule.mini_batches)]  # type: ignore[misc]
     updates = []
     for _ in range(schedule.epochs):
-        for part in mini_batch_ranges(len(samples), schedule.mini_batches):
+        for part, total in parts:
             sub = [samples[i] for i in part]
-            updates.append(critic.train_step(sub, [returns[i] for i in part], [values[i] for i in part]))
+            returns_, values_ = [returns[i] for i in part], [values[i] for i in part]
+            updates.append(critic.train_step(sub, returns_, values_, total_tokens=total))
     metrics = {}
     for key in ("value_loss", "value_clipped_tokens", "value_tokens", "value_grad_norm"):
         total = sum(u[key] for u in updates)

@@ -37,7 +37,7 @@ from sluice.telemetry.samples import SampleSummary, summarize_samples
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
-from sluice.trainer.ppo import VALUES_COLUMN, ppo_critic_step
+from sluice.trainer.ppo import VALUES_COLUMN, StepShare, ppo_critic_step
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.sections import algorithm_of, critic_of, schedule_of, train_engine
 from sluice.trainer.step import InOrderPacker, step_normaliser
@@ -119,6 +119,8 @@ class TrainerWorker:
         assert isinstance(self.engine, HFTrainEngine), "data parallelism distributes a torch engine"
         self.dp = DataParallelGroup(address, rank, world_size, self.engine.device)
         self.engine.distribute(self.strategy, cpu_offload=self.cpu_offload)
+        if self.critic is not None:
+            self.critic.distribute(self.strategy)
         if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
             self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled)
 
@@ -185,9 +187,9 @@ class TrainerWorker:
         """Every update of the schedule over the held step: proximal log-probs once (at the step's
         start), advantages over the whole step, then each mini-batch's update with the ranks'
         gradients summed under that mini-batch's normaliser over all ranks."""
-        step_samples, mine = self._step_order(held)
+        step_samples, step_values, mine = self._step_order(held)
         if self.critic is not None:
-            return self._train_with_critic(held)
+            return self._train_with_critic(held, StepShare(step_samples, step_values, mine))
         with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
             prox = proximal_logprobs(self.engine, held, self.schedule, self.temperature)
             everyone = self.algorithm.advantages(step_samples)
@@ -201,9 +203,9 @@ class TrainerWorker:
                 metrics = self.dp.sum_metrics(metrics)
         return self._publish(metrics, step_samples)
 
-    def _train_with_critic(self, held: list[Sample]) -> dict[str, float]:
-        """PPO's step over the held samples and their ``values`` column: GAE, the actor's updates,
-        the critic's updates (one process: ``data_parallel`` > 1 is refused with a critic)."""
+    def _train_with_critic(self, held: list[Sample], share: StepShare) -> dict[str, float]:
+        """PPO's step over the held samples and their ``values`` column: GAE over the whole step
+        (``share``: every rank's), the actor's updates, the critic's updates."""
         assert self.critic is not None and self.critic_spec is not None
         values, self._values = self._values, []
         spec, algorithm = self.critic_spec, self.algorithm
@@ -211,21 +213,25 @@ class TrainerWorker:
         with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
             metrics = ppo_critic_step(
                 _Traced(self), self.critic, held, algorithm, self.micro_batch_tokens, self.schedule,
-                self.temperature, spec.gamma, spec.lam, values,
+                self.temperature, spec.gamma, spec.lam, values, share,
             )  # fmt: skip
-        return self._publish(metrics, held)
+            if self.dp is not None:
+                metrics = self.dp.sum_metrics(metrics)
+        return self._publish(metrics, list(share.samples))
 
-    def _step_order(self, held: list[Sample]) -> tuple[list[Sample], list[int]]:
-        """The whole step's samples in step order (every rank's, by group position) and the
-        positions in it of ``held`` (this worker's, already in step order)."""
+    def _step_order(self, held: list[Sample]) -> tuple[list[Sample], list[list[float]], list[int]]:
+        """The whole step's samples and their critic values in step order (every rank's, by group
+        position) and the positions in it of ``held`` (this worker's, already in step order)."""
         positions, self._positions = self._positions, []
+        values = self._values if self.critic is not None else [[] for _ in held]
         if self.dp is None:
-            return held, list(range(len(held)))
-        parts = self.dp.all_gather(list(zip(positions, held, strict=True)))
-        keyed = sorted((pos, rank, k) for rank, part in enumerate(parts) for k, (pos, _) in enumerate(part))
+            return held, values, list(range(len(held)))
+        parts = self.dp.all_gather(list(zip(positions, held, values, strict=True)))
+        keyed = sorted((pos, rank, k) for rank, part in enumerate(parts) for k, (pos, _, _) in enumerate(part))
         step_samples = [parts[rank][k][1] for _, rank, k in keyed]
+        step_values = [parts[rank][k][2] for _, rank, k in keyed]
         mine = [i for i, (_, rank, _) in enumerate(keyed) if rank == self.dp.rank]
-        return step_samples, mine
+        return step_samples, step_values, mine
 
     def _everyone(self, samples: list[Sample]) -> list[Sample]:
         """The whole step's samples over all data-parallel ranks (rank order); ``samples`` alone."""
