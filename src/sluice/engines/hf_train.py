@@ -231,7 +231,8 @@ class HFTrainEngine:
         """A one-token forward (and zero-loss backward): a collective's share, contributing nothing."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         with self._autocast():
-            logits = (self.ddp or self.model)(input_ids=ids, use_cache=False).logits
+            module = self.ddp if self.ddp is not None else self.model
+            logits = module(input_ids=ids, use_cache=False).logits
         if backward:
             (logits.float().sum() * 0.0).backward()
 
