@@ -160,14 +160,14 @@ def critic_updates(
     returns: Sequence[Sequence[float]],
     values: Sequence[Sequence[float]],
     schedule: UpdateSchedule,
-    parts: Sequence[tuple[Sequence[int], float]] | None = None,
+    parts: Sequence[tuple[Sequence[int], float | None]] | None = None,
 ) -> dict[str, float]:
     """The critic's value-regression updates of one step, on the actor's schedule of mini-batches
     and epochs; ``value_loss`` and ``value_grad_norm`` averaged over them, token counts summed.
     ``parts``: each mini-batch's indices into ``samples`` and its loss tokens over every rank
     (data parallelism); by default ``samples`` are the whole step."""
     if parts is None:
-        parts = [(part, None) for part in mini_batch_ranges(len(samples), schedule.mini_batches)]  # type: ignore[misc]
+        parts = [(part, None) for part in mini_batch_ranges(len(samples), schedule.mini_batches)]
     updates = []
     for _ in range(schedule.epochs):
         for part, total in parts:
