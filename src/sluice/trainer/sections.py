@@ -95,8 +95,8 @@ def train_engine(model_dir: str | Path, t: TrainerConfig, temperature: float, st
 
 def frozen_engine(model_dir: str | Path, t: TrainerConfig, temperature: float) -> HFTrainEngine:
     """The reference policy: the model at ``model_dir`` with gradients off (never stepped)."""
-    options = {**engine_options(t, temperature), "lr": 0.0, "lora": None, "lr_schedule": None}
-    options["activation_checkpointing"] = False
+    frozen = {"lr": 0.0, "lora": None, "lr_schedule": None, "activation_checkpointing": False}
+    options = {**engine_options(t, temperature), **frozen}
     engine = HFTrainEngine(on_device(load_causal_lm(model_dir)), **options)
     engine.model.requires_grad_(False)
     engine.model.eval()
