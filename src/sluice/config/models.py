@@ -170,6 +170,20 @@ class RunConfig(_Section):
     keep_checkpoints: int = Field(default=2, ge=1)
     """How many of the newest complete checkpoints to keep; older ones are deleted."""
 
+    failure_budget: float = Field(default=0.5, gt=0.0, le=1.0)
+    """The largest fraction of the last ``failure_window`` finished groups a reward or environment
+    may fail (raise, time out, return a non-number, crash) before the run stops with one line
+    naming it, its last error and the count (every mode). 1.0: never stop for failures."""
+
+    failure_window: int = Field(default=64, ge=1)
+    """How many of the newest finished groups ``failure_budget`` is measured over; the run may
+    stop once this many have finished (or sooner, when the failures alone exceed the budget of
+    a full window)."""
+
+    stall_timeout_s: float = Field(default=300.0, gt=0.0)
+    """A worker that sends no heartbeat, or a training loop that makes no progress, for this many
+    seconds ends the run with one line naming it (a stopped or hung process)."""
+
     resume: str | None = None
     """``auto``: continue this run dir from its newest complete checkpoint (start fresh if there is
     none); a path: continue from that checkpoint folder; ``null``: start fresh. ``sluice train

@@ -40,6 +40,9 @@ RESUMABLE_FIELDS = frozenset(
         "eval_every",
         "trace",
         "ray_address",
+        "failure_budget",
+        "failure_window",
+        "stall_timeout_s",
     }
 )
 """``run.*`` fields a resumed run may change (they steer the run, not its computation)."""
