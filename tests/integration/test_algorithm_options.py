@@ -10,7 +10,7 @@ import torch
 
 from fakes import length_reward
 from sluice import RLTrainer
-from sluice.config import ConfigError, load_config
+from sluice.config import load_config
 from sluice.engines.hf_model import load_causal_lm
 from tiny import tiny_run_overrides
 
@@ -94,10 +94,6 @@ def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, 
     else:
         assert got == want
     assert streamed[-1]["value_mean"] != 0.0 and all(r["staleness_max"] == 0 for r in streamed)
-    with pytest.raises(ConfigError, match="does not shard its critic yet"):
-        load_config(
-            None, [*PPO, "run.mode=async", "run.backend=ray", "trainer.data_parallel=2", "trainer.strategy=fsdp2"]
-        )
 
 
 def test_ppo_with_a_critic_at_eta1_keeps_the_staleness_bound_and_the_fates(tiny_task_model, tmp_path):

@@ -87,6 +87,7 @@ PPO_UPDATES = ["trainer.ppo_mini_batches=2", "trainer.ppo_epochs=2", "trainer.pr
         ("ppo", "ddp"),
         pytest.param("ppo", "fsdp2", marks=pytest.mark.scale),
         pytest.param("critic", "ddp", marks=pytest.mark.scale),
+        pytest.param("critic", "fsdp2", marks=pytest.mark.scale),
     ],
 )
 def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster, updates, strategy):

@@ -115,12 +115,11 @@ def test_sync_is_eta_zero_and_refuses_only_what_needs_overlap():
     assert (cfg.rollout.replicas, cfg.rollout.redundant_groups, cfg.rollout.scheduling) == (2, 16, "batch")
 
 
-def test_data_parallel_takes_ppo_updates_and_a_ddp_critic():
+def test_data_parallel_takes_ppo_updates_and_a_critic():
     dp = ["run.mode=async", "run.backend=ray", "trainer.data_parallel=2", "trainer.strategy=ddp"]
     updates = ["trainer.ppo_mini_batches=4", "trainer.ppo_epochs=2", "trainer.prox_logprobs=recompute"]
     assert load_config(None, [*dp, *updates]).trainer.ppo_mini_batches == 4
     assert load_config(None, [*dp, "trainer.algorithm=ppo"]).trainer.algorithm == "ppo"
-    with pytest.raises(ConfigError, match="does not shard its critic yet"):
-        load_config(None, [*dp[:-1], "trainer.strategy=fsdp2", "trainer.algorithm=ppo"])
+    assert load_config(None, [*dp[:-1], "trainer.strategy=fsdp2", "trainer.algorithm=ppo"]).trainer.strategy == "fsdp2"
     with pytest.raises(ConfigError, match=r"needs run\.backend: ray"):
         load_config(None, ["trainer.data_parallel=2", "trainer.strategy=ddp", "run.backend=local"])

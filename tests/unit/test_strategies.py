@@ -1,7 +1,9 @@
 """Training strategies over real process groups (gloo, 2 spawned ranks): ``ddp`` and ``fsdp2`` give
 one process's per-update losses over 5 steps of PPO mini-batches and epochs; a rank that plans
 only its own samples does not; ``fsdp2`` publishes its weights one bucket at a time and round-trips
-a sharded (DCP) checkpoint with its LR schedule; bf16 compute stays close to float32."""
+a sharded (DCP) checkpoint with its LR schedule; PPO's critic (valuing and trained in lockstep,
+its own sharded checkpoint) and LoRA (merged weights gathered) under both strategies; bf16
+compute stays close to float32."""
 
 from __future__ import annotations
 
@@ -186,26 +188,45 @@ def test_activation_checkpointing_recomputes_to_the_same_gradients(stale):
     assert [u["grad_norm"] for u in b] == pytest.approx([u["grad_norm"] for u in a], rel=1e-5)
 
 
-def _rank_trains_lora(rank: int, samples: list[Sample]) -> list[dict]:
+def _rank_trains_lora(rank: int, samples: list[Sample], strategy: str, path: str) -> Trained:
+    """2 steps of LoRA adapters; the merged weights published, and the final model saved to ``path``."""
     from sluice.engines.lora import LoraSpec
 
     engine = _engine(torch.float32, lora=LoraSpec(4, 16.0, ("q_proj", "v_proj")))
     if rank >= 0:
-        engine.distribute("ddp")
+        engine.distribute(strategy)
     owned = [i for i, s in enumerate(samples) if (s.group_id == 1) == (rank == 1)] if rank >= 0 else None
-    return _train(engine, samples, owned, steps=2)
+    updates = _train(engine, samples, owned, steps=2)
+    merged = dict(engine.export_weights().items())  # every rank reads it (fsdp2: gathered)
+    engine.save(path, optimizer=False)
+    return merged, updates
 
 
-def test_lora_adapters_train_under_ddp_as_in_one_process(stale):
-    one = _rank_trains_lora(-1, stale)
-    ranks = run_ranks(_rank_trains_lora, 2, stale)
-    summed = [a["loss"] + b["loss"] for a, b in zip(*ranks, strict=True)]
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_lora_adapters_train_as_in_one_process(strategy, stale, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    one_weights, one = _rank_trains_lora(-1, stale, "single", str(tmp_path / "one"))
+    ranks = run_ranks(_rank_trains_lora, 2, stale, strategy, str(tmp_path / strategy))
+    summed = [a["loss"] + b["loss"] for a, b in zip(ranks[0][1], ranks[1][1], strict=True)]
     assert summed == pytest.approx([u["loss"] for u in one], rel=1e-4)
-    assert [u["grad_norm"] for u in ranks[0]] == pytest.approx([u["grad_norm"] for u in one], rel=1e-4)
+    assert [u["grad_norm"] for u in ranks[0][1]] == pytest.approx([u["grad_norm"] for u in one], rel=1e-4)
+    assert set(ranks[0][0]) == set(one_weights) == set(tiny_llama(0).state_dict())  # the plain model's names
+    base = tiny_llama(0).state_dict()
+    adapted = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(one_weights[adapted], base[adapted], atol=1e-4)  # the adapters are merged in
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / strategy).state_dict()
+    for name, value in one_weights.items():
+        torch.testing.assert_close(ranks[0][0][name], value, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(saved[name], value, atol=1e-4, rtol=1e-4)
+    assert (tmp_path / strategy / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def _ppo_steps(rank: int, samples: list[Sample], values: list[list[float]], model_dir: str) -> list[dict]:
-    """3 PPO steps with a critic (2 mini-batches × 2 epochs); ``rank`` -1: one process."""
+def _ppo_steps(
+    rank: int, samples: list[Sample], values: list[list[float]] | None, model_dir: str, strategy: str = "ddp"
+) -> list[dict]:
+    """3 PPO steps with a critic (2 mini-batches × 2 epochs); ``rank`` -1: one process. ``values``
+    ``None``: the critic values each step's samples itself (sync mode)."""
     from sluice.engines.critic import CriticEngine
     from sluice.trainer.ppo import StepShare, ppo_critic_step
 
@@ -213,25 +234,72 @@ def _ppo_steps(rank: int, samples: list[Sample], values: list[list[float]], mode
     critic.model.double()
     mine = [i for i, s in enumerate(samples) if rank < 0 or (s.group_id == 1) == (rank == 1)]
     if rank >= 0:
-        actor.distribute("ddp")
-        critic.distribute("ddp")
-    share = StepShare(samples, values, mine)
-    held, held_values = [samples[i] for i in mine], [values[i] for i in mine]
+        actor.distribute(strategy)
+        critic.distribute(strategy)
+    held = [samples[i] for i in mine]
     algorithm = GRPOAlgorithm(estimator="gae")
-    return [
-        ppo_critic_step(actor, critic, held, algorithm, 64, SCHEDULE, 1.0, 1.0, 0.95, held_values, share)
-        for _ in range(3)
-    ]
+    steps = []
+    for _ in range(3):
+        if values is None:  # every rank values its own samples, then shares them (as the trainer ranks do)
+            held_values = critic.values(held)
+            everyone = _all_gathered(rank, mine, held_values, len(samples))
+        else:
+            held_values, everyone = [values[i] for i in mine], values
+        share = StepShare(samples, everyone, mine)
+        steps.append(ppo_critic_step(actor, critic, held, algorithm, 64, SCHEDULE, 1.0, 1.0, 0.95, held_values, share))
+    return steps
 
 
-def test_two_ranks_train_actor_and_critic_as_one_process(stale, tmp_path):
+def _all_gathered(rank: int, mine: list[int], rows: list[list[float]], total: int) -> list[list[float]]:
+    if rank < 0:
+        return rows
+    import torch.distributed as dist
+
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, dict(zip(mine, rows, strict=True)))
+    merged = {i: row for part in parts for i, row in part.items()}
+    return [merged[i] for i in range(total)]
+
+
+@pytest.mark.parametrize(("strategy", "valued"), [("ddp", "queue"), ("fsdp2", "queue"), ("fsdp2", "critic")])
+def test_two_ranks_train_actor_and_critic_as_one_process(strategy, valued, stale, tmp_path):
     tiny_llama(0).save_pretrained(tmp_path)
     rng = torch.Generator().manual_seed(0)
-    values = [torch.randn(len(s.response_ids), generator=rng).tolist() for s in stale]
+    values = [torch.randn(len(s.response_ids), generator=rng).tolist() for s in stale] if valued == "queue" else None
     one = _ppo_steps(-1, stale, values, str(tmp_path))
-    ranks = run_ranks(_ppo_steps, 2, stale, values, str(tmp_path))
+    ranks = run_ranks(_ppo_steps, 2, stale, values, str(tmp_path), strategy)
     for key in ("loss", "value_loss", "value_tokens"):
         summed = [a[key] + b[key] for a, b in zip(*ranks, strict=True)]
         assert summed == pytest.approx([m[key] for m in one], rel=1e-5, abs=1e-9), key
     for key in ("grad_norm", "value_grad_norm", "return_mean"):
         assert [m[key] for m in ranks[0]] == pytest.approx([m[key] for m in one], rel=1e-5), key
+
+
+def _critic_resumes(rank: int, samples: list[Sample], model_dir: str, path: str) -> tuple[dict, dict]:
+    """An fsdp2 critic's second update, trained straight on and after a sharded save / load."""
+    from sluice.engines.critic import CriticEngine
+
+    def fresh() -> CriticEngine:
+        critic = CriticEngine(model_dir, lr=1e-2, token_budget=24)
+        critic.distribute("fsdp2")
+        return critic
+
+    mine = [s for s in samples if (s.group_id == 1) == (rank == 1)]
+    returns = [[1.0] * len(s.response_ids) for s in mine]
+    critic = fresh()
+    critic.train_step(mine, returns, critic.values(mine))
+    critic.save(path)
+    straight = critic.train_step(mine, returns, critic.values(mine))
+    again = fresh()
+    again.load(path)
+    return straight, again.train_step(mine, returns, again.values(mine))
+
+
+def test_fsdp2_critic_checkpoint_holds_each_ranks_shard(stale, tmp_path):
+    tiny_llama(0).save_pretrained(tmp_path / "model")
+    (tmp_path / "ckpt").mkdir()
+    results = run_ranks(_critic_resumes, 2, stale, str(tmp_path / "model"), str(tmp_path / "ckpt"))
+    for straight, resumed in results:
+        assert resumed == straight  # weights and Adam moments restored
+    shards = sorted(p.name for p in (tmp_path / "ckpt" / "critic_dcp").iterdir() if p.suffix == ".distcp")
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]

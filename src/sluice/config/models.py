@@ -249,10 +249,6 @@ class SluiceConfig(_Section):
             raise ValueError(f"trainer.lr_warmup_steps ({t.lr_warmup_steps}) exceeds run.steps ({self.run.steps})")
         if t.data_parallel > 1 and self.run.backend != "ray":
             raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")
-        if t.algorithm == "ppo" and t.strategy == "fsdp2":
-            raise ValueError(
-                "trainer.algorithm=ppo does not shard its critic yet: use trainer.strategy=ddp (or single)"
-            )
         return self
 
     def engine_options(self) -> dict[str, Any]:

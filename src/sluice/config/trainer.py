@@ -19,8 +19,8 @@ class TrainerConfig(_Section):
     batch's loss tokens), ``reinforce_pp_baseline`` (group mean subtracted, then whitened),
     ``ppo`` (PPO with a critic: a value head on the policy's architecture, GAE advantages,
     clipped value regression; in ``run.mode: async`` the critic's values are a queue task of
-    their own and the critic trains in the trainer's step; with ``strategy: ddp`` a critic replica
-    per rank, gradients summed; not with ``fsdp2`` yet)."""
+    their own and the critic trains in the trainer's step; under ``strategy: ddp`` / ``fsdp2`` the
+    critic is replicated / sharded over the ranks like the policy)."""
 
     gae_gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """``ppo``: GAE discount γ (1 for outcome rewards on finite responses)."""

@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 
 from sluice.api.protocols import Algorithm
 from sluice.api.types import LossInputs, MicroBatch, Sample
-from sluice.engines.lora import LoraSpec, apply_lora, load_adapters, merged_weights, save_merged
+from sluice.engines.lora import LoraMerge, LoraSpec, apply_lora, load_adapters, merged_weights, save_merged
 from sluice.engines.lr_schedule import LrSchedule
 from sluice.engines.packing import pack_batch, packed_chunks
 from sluice.engines.padding import pad_batch
@@ -47,6 +47,7 @@ from sluice.engines.response_tokens import flatten_rows, length_buckets, logprob
 from sluice.engines.strategies import (
     SCHEDULER_FILE,
     GatheredWeights,
+    full_state_dict,
     full_tensor,
     load_sharded,
     lockstep_count,
@@ -142,8 +143,6 @@ class HFTrainEngine:
         if strategy == "ddp":
             self.ddp = wrap_ddp(self.model, self.device)
         elif strategy == "fsdp2":
-            if self.lora is not None:
-                raise ValueError("trainer.lora_rank with trainer.strategy: fsdp2 is not supported; use ddp")
             shard_fsdp2(self.model, self.compute_dtype, cpu_offload)
             self._build_optimizer()
         elif strategy != "single":
@@ -272,7 +271,8 @@ class HFTrainEngine:
         plain model's weights with the adapters merged in. Under ``fsdp2``, full tensors gathered
         bucket by bucket as the mapping is read (``GatheredWeights``: every rank must read it)."""
         if self.lockstep:
-            return GatheredWeights(self.model, self.weight_bucket_bytes)
+            merge = LoraMerge.of(self.model) if self.lora is not None else None
+            return GatheredWeights(self.model, self.weight_bucket_bytes, merge)
         if self.lora is not None:
             return merged_weights(self.model)
         copies: dict[int, torch.Tensor] = {}
@@ -288,16 +288,17 @@ class HFTrainEngine:
         """Write the HF model folder into ``path``, plus ``optimizer.pt`` for a checkpoint. Under
         ``ddp`` rank 0 writes; under ``fsdp2`` every rank calls it: a checkpoint is each rank's
         shard (``torch.distributed.checkpoint``), a model without optimizer is gathered."""
-        if self.lockstep:
-            save_sharded(self.model, self.optimizer if optimizer else None, self.scheduler, path, self.rank)
+        if self.lockstep and optimizer:
+            save_sharded(self.model, self.optimizer, self.scheduler, path, self.rank)
             return
+        state = full_state_dict(self.model) if self.lockstep else None  # every rank gathers
         if self.rank > 0:
             return
         os.makedirs(path, exist_ok=True)
         if self.lora is not None:
-            save_merged(self.model, path)
+            save_merged(self.model, path, state)
         else:
-            self.model.save_pretrained(path)
+            self.model.save_pretrained(path, state_dict=state)
         if optimizer:
             torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
             if self.scheduler is not None:

@@ -3,7 +3,8 @@
 ``apply_lora`` wraps a model so that only the low-rank adapters ``A``, ``B`` of the target linear
 layers require grad (the base weights stay frozen). ``merged_weights`` gives the state dict of
 the plain model with every adapted weight replaced by ``W + scale · B A`` under the plain model's
-parameter names, computed without touching the trained model (merging in place and unmerging
+parameter names (``LoraMerge``: the recipe, which a sharded model's bucketed gather follows too),
+computed without touching the trained model (merging in place and unmerging
 would leave rounding errors in the base weights). Engines load that dict like any full-weight
 update, so inference engines never need to know about adapters. ``save_merged`` writes a plain
 HF folder (``sluice eval`` reads it like any model).
@@ -15,6 +16,7 @@ them (vLLM's LoRA requests), QLoRA, and several adapters per model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,39 +49,75 @@ def apply_lora(model: PreTrainedModel, spec: LoraSpec) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
-def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's state dict (new tensors) with the adapters merged in; tied tensors
-    stay shared."""
-    from peft.tuners.lora import LoraLayer
+@dataclass(frozen=True)
+class LoraMerge:
+    """How the plain model's weights are made from a LoRA-wrapped model's state dict: each plain
+    name's base tensor, and for an adapted weight its ``A``, ``B`` and scale
+    (``W + scale · B A``). Works on any copy of that state dict (local, or gathered shards)."""
 
-    base = model.get_base_model()  # type: ignore[operator]
-    adapted = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    out: dict[str, torch.Tensor] = {}
+    sources: dict[str, tuple[str, str, str, float] | str]
+    """Plain name → the wrapped state dict's key, or ``(base, A, B, scale)`` for an adapted weight."""
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> LoraMerge:
+        from peft.tuners.lora import LoraLayer
+
+        adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+        prefix = next(name for name, _ in model.named_modules() if name.endswith("base_model.model")) + "."
+        sources: dict[str, tuple[str, str, str, float] | str] = {}
+        for key in model.state_dict():
+            if ".lora_" in key:
+                continue
+            plain = key.removeprefix(prefix).replace(BASE_INFIX, "")
+            owner = key.rsplit(BASE_INFIX, 1)[0] if BASE_INFIX in key else None
+            if owner in adapted and key.endswith(".weight"):
+                layer = adapted[owner]
+                if getattr(layer, "fan_in_fan_out", False):
+                    raise ValueError(f"LoRA on {owner}: fan_in_fan_out layers are not supported")
+                a, b = f"{owner}.lora_A.{ADAPTER}.weight", f"{owner}.lora_B.{ADAPTER}.weight"
+                sources[plain] = (key, a, b, float(layer.scaling[ADAPTER]))
+            else:
+                sources[plain] = key
+        return cls(sources)
+
+    def tensor(self, name: str, fetch: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The plain model's tensor ``name``, from the wrapped state dict's tensors ``fetch`` gives."""
+        source = self.sources[name]
+        if isinstance(source, str):
+            return fetch(source)
+        base, a, b, scale = source
+        with torch.no_grad():
+            return fetch(base) + scale * (fetch(b) @ fetch(a))
+
+
+def merged_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (new tensors) with the adapters merged in, from ``state`` (the
+    wrapped model's full state dict; default its own); tied tensors stay shared."""
+    state = model.state_dict() if state is None else state
+    merge = LoraMerge.of(model)
     copies: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, tensor in base.state_dict().items():
-            if ".lora_" in name:
-                continue
-            plain = name.replace(BASE_INFIX, "")
-            owner = name.rsplit(BASE_INFIX, 1)[0] if BASE_INFIX in name else None
-            if owner in adapted and name.endswith(".weight"):
-                out[plain] = tensor.detach() + adapted[owner].get_delta_weight(ADAPTER)
-                continue
-            key = tensor.data_ptr()
-            if key not in copies:
-                copies[key] = tensor.detach().clone()
-            out[plain] = copies[key]
+
+    def copied(key: str) -> torch.Tensor:
+        tensor = state[key]
+        if tensor.data_ptr() not in copies:
+            copies[tensor.data_ptr()] = tensor.detach().clone()
+        return copies[tensor.data_ptr()]
+
+    out = {}
+    for name, source in merge.sources.items():
+        out[name] = copied(source) if isinstance(source, str) else merge.tensor(name, lambda k: state[k].detach())
     return out
 
 
-def save_merged(model: torch.nn.Module, path: str | Path) -> None:
+def save_merged(model: torch.nn.Module, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """Write the merged model as a plain HF folder (config + weights) and the adapters alone
-    under ``path/ADAPTER_DIR`` (what ``load_adapters`` restores)."""
+    under ``path/ADAPTER_DIR`` (what ``load_adapters`` restores). ``state``: the wrapped model's
+    full state dict (a sharded model's, gathered); default its own."""
     base = model.get_base_model()  # type: ignore[operator]
     plain = type(base)(base.config)
-    plain.load_state_dict(merged_weights(model))
+    plain.load_state_dict(merged_weights(model, state))
     plain.save_pretrained(path)
-    model.save_pretrained(Path(path) / ADAPTER_DIR)  # type: ignore[operator]
+    model.save_pretrained(Path(path) / ADAPTER_DIR, state_dict=state)  # type: ignore[operator]
 
 
 def load_adapters(model: torch.nn.Module, path: str | Path) -> None:

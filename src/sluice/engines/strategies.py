@@ -10,7 +10,8 @@ forward a collective that all ranks must run together (``lockstep_count``).
 
 ``GatheredWeights`` hands a sharded model's full weights to a ``WeightSync`` as a mapping whose
 iteration gathers them bucket by bucket in state-dict (layer) order, dropping each bucket before
-the next is gathered. Checkpoints of a sharded model go through ``torch.distributed.checkpoint``
+the next is gathered (with LoRA, each adapted weight merged as it is gathered: the plain model's
+names, as every engine loads them). Checkpoints of a sharded model go through ``torch.distributed.checkpoint``
 (``save_sharded`` / ``load_sharded``: each rank writes its own shard).
 
 Deliberately not here: which samples a rank trains, the loss, tensor or pipeline parallelism.
@@ -22,10 +23,13 @@ import inspect
 import os
 from collections.abc import ItemsView, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from sluice.engines.lora import LoraMerge
 
 STRATEGIES = ("single", "ddp", "fsdp2")
 SCHEDULER_FILE = "lr_scheduler.pt"
@@ -97,18 +101,25 @@ class GatheredWeights(Mapping[str, torch.Tensor]):
     hands it to the weight sync, the others ``drain`` it.
     """
 
-    def __init__(self, model: torch.nn.Module, bucket_bytes: int) -> None:
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int, merge: LoraMerge | None = None) -> None:
         self._state = model.state_dict()  # the local shards; nothing is gathered yet
         self.bucket_bytes = bucket_bytes
+        self._merge = merge
+        self._names = list(merge.sources) if merge is not None else list(self._state)
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._names)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
+        return iter(self._names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return full_tensor(self._state[name]).detach()
+        if self._merge is not None:  # LoRA: the plain model's tensor, adapters merged in
+            return self._merge.tensor(name, self._gathered)
+        return self._gathered(name)
+
+    def _gathered(self, key: str) -> torch.Tensor:
+        return full_tensor(self._state[key]).detach()
 
     def items(self) -> ItemsView[str, torch.Tensor]:
         return _BucketItems(self)
@@ -117,7 +128,7 @@ class GatheredWeights(Mapping[str, torch.Tensor]):
         """Full tensors in state-dict order, about ``bucket_bytes`` at a time."""
         bucket: dict[str, torch.Tensor] = {}
         size = 0
-        for name in self._state:
+        for name in self._names:
             tensor = self[name]
             bucket[name] = tensor
             size += tensor.numel() * tensor.element_size()
@@ -149,44 +160,46 @@ class _BucketItems(ItemsView[str, torch.Tensor]):
 
 def save_sharded(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     path: str | Path,
     rank: int,
 ) -> None:
-    """A sharded engine's ``save``, called on every rank. With ``optimizer`` (a checkpoint) each
-    rank writes its shard of the model and optimizer state under ``path/SHARDED_DIR`` and rank 0
-    the config and the LR scheduler's state; without, the model is gathered and rank 0 writes a
-    plain Hugging Face folder (a final model ``from_pretrained`` reads)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+    """A sharded engine's checkpoint, called on every rank: each rank writes its shard of the
+    model and optimizer state under ``path/SHARDED_DIR``, rank 0 the config and the LR
+    scheduler's state. (A final model is gathered instead: ``full_state_dict``.)"""
     os.makedirs(path, exist_ok=True)
-    weights = None
-    if optimizer is not None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(path) / SHARDED_DIR))
-    else:
-        weights = full_state_dict(model)
+    save_shards(model, optimizer, Path(path) / SHARDED_DIR)
     if rank > 0:
-        return
-    if weights is not None:
-        model.save_pretrained(path, state_dict=weights)  # type: ignore[operator]
         return
     model.config.save_pretrained(path)  # type: ignore[union-attr, operator]
     if scheduler is not None:
         torch.save(scheduler.state_dict(), Path(path) / SCHEDULER_FILE)
 
 
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """This rank's shard of ``model``'s and ``optimizer``'s state into the DCP ``folder``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
     """Read ``save_sharded``'s shards back into this rank's model and optimizer (call only on a
     checkpoint whose manifest was verified: DCP's metadata file is a pickle)."""
+    load_shards(model, optimizer, Path(path) / SHARDED_DIR)
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """``save_shards``' DCP ``folder`` back into this rank's ``model`` and ``optimizer``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(Path(path) / SHARDED_DIR))
+    dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

@@ -54,10 +54,13 @@ class CriticSpec:
     token_budget: int = 2048
     gamma: float = 1.0
     lam: float = 1.0
+    weight_bucket_bytes: int = 256 << 20
 
     def engine(self, model_dir: str | Path) -> CriticEngine:
         """A fresh critic from the policy at ``model_dir`` (every build gives the same weights)."""
-        return CriticEngine(model_dir, self.lr, self.value_clip, self.grad_clip, self.token_budget)
+        return CriticEngine(
+            model_dir, self.lr, self.value_clip, self.grad_clip, self.token_budget, self.weight_bucket_bytes
+        )
 
 
 def token_rewards(sample: Sample, algorithm: GRPOAlgorithm) -> torch.Tensor:

@@ -53,7 +53,8 @@ def critic_of(t: TrainerConfig) -> CriticSpec | None:
     """PPO's critic (``algorithm: ppo``), else ``None``."""
     if t.algorithm != "ppo":
         return None
-    return CriticSpec(t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda)
+    bucket = t.weight_bucket_mb << 20
+    return CriticSpec(t.critic_lr, t.value_clip, t.grad_clip, t.micro_batch_tokens, t.gae_gamma, t.gae_lambda, bucket)
 
 
 def lr_schedule_of(t: TrainerConfig, steps: int) -> LrSchedule | None:

@@ -120,7 +120,7 @@ class TrainerWorker:
         self.dp = DataParallelGroup(address, rank, world_size, self.engine.device)
         self.engine.distribute(self.strategy, cpu_offload=self.cpu_offload)
         if self.critic is not None:
-            self.critic.distribute(self.strategy)
+            self.critic.distribute(self.strategy, cpu_offload=self.cpu_offload)
         if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
             self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled)
 
@@ -262,10 +262,11 @@ class TrainerWorker:
         """Rank 0 publishes this version (the critic first); under ``fsdp2`` the other ranks take
         their part in gathering the weights and drop them."""
         if self.dp is not None and self.dp.rank > 0:
-            if self.strategy == "fsdp2":
-                weights = self.engine.export_weights()
-                assert isinstance(weights, GatheredWeights)
-                weights.drain()
+            if self.strategy == "fsdp2":  # in rank 0's order: the critic, then the policy
+                exports = [self.critic.export_weights()] if self.critic is not None else []
+                for weights in [*exports, self.engine.export_weights()]:
+                    assert isinstance(weights, GatheredWeights)
+                    weights.drain()
             return
         with self.tracer.span("weight_publish", lane="trainer", version=self.version):
             self._publish_critic()
@@ -303,10 +304,10 @@ class TrainerWorker:
         process's RNG and the policy version."""
         assert self._step is None, "checkpoint between steps only"
         self.engine.save(path)  # every rank calls it: under fsdp2 each writes its shard
+        if self.critic is not None:
+            self.critic.save(path)  # likewise
         if self.dp is not None and self.dp.rank > 0:
             return
-        if self.critic is not None:
-            self.critic.save(path)
         torch.save({"version": self.version, "rng": capture_rng()}, Path(path) / TRAINER_STATE)
 
     def load_state(self, path: str) -> int:
