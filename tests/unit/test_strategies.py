@@ -225,7 +225,7 @@ def test_lora_adapters_train_as_in_one_process(strategy, stale, tmp_path):
 def _ppo_steps(
     rank: int, samples: list[Sample], values: list[list[float]] | None, model_dir: str, strategy: str = "ddp"
 ) -> list[dict]:
-    """3 PPO steps with a critic (2 mini-batches × 2 epochs); ``rank`` -1: one process. ``values``
+    """``STEPS`` PPO steps with a critic (2 mini-batches × 2 epochs); ``rank`` -1: one process. ``values``
     ``None``: the critic values each step's samples itself (sync mode)."""
     from sluice.engines.critic import CriticEngine
     from sluice.trainer.ppo import StepShare, ppo_critic_step
@@ -239,7 +239,7 @@ def _ppo_steps(
     held = [samples[i] for i in mine]
     algorithm = GRPOAlgorithm(estimator="gae")
     steps = []
-    for _ in range(3):
+    for _ in range(STEPS):
         if values is None:  # every rank values its own samples, then shares them (as the trainer ranks do)
             held_values = critic.values(held)
             everyone = _all_gathered(rank, mine, held_values, len(samples))
