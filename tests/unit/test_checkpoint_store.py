@@ -24,7 +24,7 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.ledger import GroupLedger, GroupState
-from sluice.controller.resume import AsyncCut, DriverState, open_checkpoints, read_driver_state
+from sluice.controller.resume import STATE_CLASSES, AsyncCut, DriverState, open_checkpoints, read_driver_state
 from sluice.controller.staleness import StalenessGate
 from sluice.controller.state_codec import StateCodecError, dumps, loads
 from sluice.trainer.rng_state import capture_rng
@@ -45,7 +45,7 @@ def _commit(store, config, version, logs=None):
     tmp = store.begin(version)
     (tmp / "trainer").mkdir()
     (tmp / "trainer" / "weights.bin").write_bytes(bytes(range(256)) * 4)
-    write_driver_state(tmp, _state(config, version, logs))
+    write_driver_state(tmp, _state(config, version, logs), STATE_CLASSES)
     return store.commit(tmp, version)
 
 
@@ -193,7 +193,7 @@ def test_driver_state_is_json_and_round_trips_every_part(tmp_path):
     state = DriverState(4, "async", config.model_dump(mode="json"), 12, None, {"m": 3}, capture_rng(), cut)
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    write_driver_state(folder, state)
+    write_driver_state(folder, state, STATE_CLASSES)
     text = (folder / DRIVER_STATE).read_text()
     json.loads(text)  # plain JSON, not a pickle
     back = read_driver_state(folder)
@@ -214,7 +214,9 @@ def test_driver_state_builds_only_allowed_classes():
     with pytest.raises(StateCodecError, match="unknown tag"):
         loads(json.dumps({"$pickle": "gASV"}), {})
     with pytest.raises(StateCodecError, match=r"cannot store a builtins\.object"):
-        dumps({"x": object()})
+        dumps({"x": object()}, {})
+    with pytest.raises(StateCodecError, match="'StalenessGate', which a checkpoint may not hold"):
+        dumps([StalenessGate(4, 1)], {})  # a class the resume could not build fails at the save
 
 
 def test_rng_state_loads_with_torch_weights_only(tmp_path):

@@ -307,8 +307,10 @@ def data_changes(saved: Mapping[str, str], current: Mapping[str, str]) -> list[s
     return sorted(name for name in set(saved) | set(current) if saved.get(name) != current.get(name))
 
 
-def write_driver_state(folder: Path, state: Any) -> None:
-    (folder / DRIVER_STATE).write_text(state_codec.dumps(state))
+def write_driver_state(folder: Path, state: Any, classes: Mapping[str, type] | None = None) -> None:
+    """``state`` as ``driver.json``; dataclasses and enums only of ``classes`` (what a resume may
+    build: a type outside them fails here, at the save)."""
+    (folder / DRIVER_STATE).write_text(state_codec.dumps(state, dict(classes or {})))
 
 
 def read_driver_state(folder: Path, classes: Mapping[str, type] | None = None) -> Any:

@@ -163,7 +163,7 @@ async def save_checkpoint(
     await pipeline.save_state(str(tmp / TRAINER_DIR))
     written = {gid for gid, g in cut.ledger.groups.items() if g.state is GroupState.OPEN and g.generated}
     cut.queue = await pipeline.queue_snapshot(written)
-    write_driver_state(tmp, state)
+    write_driver_state(tmp, state, STATE_CLASSES)
     return await asyncio.to_thread(run.checkpoints.commit, tmp, version)
 
 

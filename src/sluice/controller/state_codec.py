@@ -30,20 +30,23 @@ class StateCodecError(ValueError):
     """A value that cannot be written, or a document that cannot be read, as driver state."""
 
 
-def dumps(value: Any) -> str:
-    return json.dumps(encode(value), separators=(",", ":"))
+def dumps(value: Any, classes: dict[str, type]) -> str:
+    return json.dumps(encode(value, classes), separators=(",", ":"))
 
 
 def loads(text: str, classes: dict[str, type]) -> Any:
     return decode(json.loads(text), classes)
 
 
-def encode(value: Any) -> Any:
-    """``value`` as JSON-ready data (raises ``StateCodecError`` naming a type it cannot hold)."""
+def encode(value: Any, classes: dict[str, type]) -> Any:
+    """``value`` as JSON-ready data; dataclasses and enums only of ``classes``, which ``decode``
+    will be given (raises ``StateCodecError`` naming a type it cannot hold, at the save rather
+    than at the resume)."""
+    if isinstance(value, enum.Enum):  # before str and int: a str or int enum stays an enum
+        _allowed(classes, type(value).__name__, type(value))
+        return {"$enum": [type(value).__name__, encode(value.value, classes)]}
     if value is None or isinstance(value, (bool, str, float)):
         return value
-    if isinstance(value, enum.Enum):
-        return {"$enum": [type(value).__name__, encode(value.value)]}
     if isinstance(value, int):
         return int(value)
     if isinstance(value, np.generic):
@@ -51,20 +54,21 @@ def encode(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return {"$tensor": _tensor(value)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        _allowed(classes, type(value).__name__, type(value))
+        fields = {f.name: encode(getattr(value, f.name), classes) for f in dataclasses.fields(value)}
         return {"$dataclass": [type(value).__name__, fields]}
     if isinstance(value, Counter):
-        return {"$counter": [[encode(k), encode(v)] for k, v in value.items()]}
+        return {"$counter": [[encode(k, classes), encode(v, classes)] for k, v in value.items()]}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)).startswith("$")):
-            return {k: encode(v) for k, v in value.items()}
-        return {"$dict": [[encode(k), encode(v)] for k, v in value.items()]}
+            return {k: encode(v, classes) for k, v in value.items()}
+        return {"$dict": [[encode(k, classes), encode(v, classes)] for k, v in value.items()]}
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v) for v in value]}
+        return {"$tuple": [encode(v, classes) for v in value]}
     if isinstance(value, (set, frozenset)):
-        return {"$set": [encode(v) for v in sorted(value, key=repr)]}
+        return {"$set": [encode(v, classes) for v in sorted(value, key=repr)]}
     if isinstance(value, list):
-        return [encode(v) for v in value]
+        return [encode(v, classes) for v in value]
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
         raw = np.ascontiguousarray(value).tobytes()
         return {"$ndarray": {"dtype": value.dtype.str, "shape": list(value.shape), "b64": _b64(raw)}}
