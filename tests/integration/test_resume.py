@@ -68,7 +68,7 @@ def test_sync_resume_trains_the_same_samples_and_ends_on_the_same_weights(tiny_t
 def test_async_eta1_resume_trains_every_admitted_group_once(tiny_task_model, tmp_path):
     """η = 1 keeps groups both written and generating across the checkpoint: the written ones come
     back from the queue snapshot, the others are regenerated (counted); each is trained once."""
-    from sluice.controller.checkpoint import read_driver_state
+    from sluice.controller.resume import read_driver_state
 
     common = ["run.mode=async", "run.backend=local", "rollout.max_staleness=1", "rollout.max_batch=16"]
     common += ["trainer.ppo_epochs=4"]  # a slower trainer lets groups wait in the queue at the cut

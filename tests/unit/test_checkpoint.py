@@ -21,8 +21,8 @@ from sluice.controller.checkpoint import (
     CheckpointStore,
     config_changes,
     log_sizes,
+    open_run,
     read_driver_state,
-    resolve_resume,
     truncate_log,
     write_driver_state,
 )
@@ -57,7 +57,7 @@ def test_half_written_checkpoints_are_ignored_by_resume_auto(tmp_path):
     (renamed_by_hand / DRIVER_STATE).write_bytes(b"")
     lost_file = _write(store, 8)
     (lost_file / "trainer" / "weights.bin").unlink()  # the manifest lists a file that is gone
-    assert resolve_resume("auto", tmp_path) == done
+    assert open_run(tmp_path, "auto")[1] == [done]
     assert read_driver_state(done) == {"version": 2}
     assert store.complete() == [done]
     _write(store, 10)  # the next write clears the crashed temp folder
@@ -68,12 +68,11 @@ def test_resume_path_that_is_not_a_complete_checkpoint_names_the_path(tmp_path):
     store = CheckpointStore(tmp_path)
     half = store.begin(2)
     with pytest.raises(CheckpointError, match=str(half)):
-        resolve_resume(str(half), tmp_path)
+        open_run(tmp_path, str(half))
     with pytest.raises(CheckpointError, match="not a folder"):
-        resolve_resume(str(tmp_path / "nowhere"), tmp_path)
-    assert resolve_resume(str(_write(store, 2)), tmp_path) == tmp_path / "checkpoints" / "step_000002"
-    assert resolve_resume(None, tmp_path) is None
-    assert resolve_resume("auto", tmp_path / "fresh") is None  # auto on a new run starts fresh
+        open_run(tmp_path, str(tmp_path / "nowhere"))
+    assert open_run(tmp_path, str(_write(store, 2)))[1] == [tmp_path / "checkpoints" / "step_000002"]
+    assert open_run(tmp_path / "fresh", "auto")[1] == []  # auto on a new run starts fresh
 
 
 def test_only_the_newest_k_stay_and_a_resume_drops_newer_ones(tmp_path):

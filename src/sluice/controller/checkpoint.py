@@ -1,12 +1,19 @@
-"""Checkpoint folders of a run: atomic writes, which ones are complete, which one a resume picks.
+"""Checkpoint folders of a run: atomic writes, which ones are complete, which run they belong to.
 
 A checkpoint is ``<run dir>/checkpoints/step_NNNNNN/`` with ``trainer/`` (the train engine's HF
-folder, optimizer and RNG, written by whoever holds the trainer), ``driver.pkl`` (the driver's
-state, ``controller/resume.py``) and ``COMPLETE`` (a JSON manifest of every file with its size
-and SHA-256, written last; ``verify_checkpoint`` checks them before a resume unpickles anything). It is built in
-a ``.tmp-`` folder, every file and folder fsynced, then renamed into place and the parent
-fsynced: a crash at any point leaves either the whole checkpoint or a temp folder that resume
-ignores (and the next write removes). Only the newest ``keep`` complete checkpoints stay.
+folder, optimizer and RNG, written by whoever holds the trainer), ``driver.json`` (the driver's
+state, ``controller/resume.py``, in ``state_codec``'s JSON) and ``COMPLETE``, written last: a
+JSON manifest with the checkpoint format version, the run id, the data files' SHA-256, and every
+file's size and SHA-256 (``verify_checkpoint`` checks them before a resume reads anything, DCP's
+pickled metadata included). It is built in a ``.tmp-<run id>-`` folder, every file and folder
+fsynced, renamed into place, the parent fsynced, and read back and verified before any older
+checkpoint is pruned: a crash at any point leaves either the whole checkpoint or a temp folder
+that resume ignores (and this run's next write removes).
+
+One run per run dir: a fresh run records its id in ``<run dir>/run.json`` and refuses a run dir
+that already holds checkpoints; pruning, dropping and temp-folder cleanup touch only this run id's
+folders. A checkpoint that fails verification is renamed ``step_NNNNNN.rejected`` (kept, never
+deleted, out of every listing).
 
 This module knows files, not what the state means; it does not capture or restore anything.
 """
@@ -16,19 +23,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
+import re
 import shutil
+import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sluice.config import ConfigError
+from sluice.controller import state_codec
 
 CHECKPOINTS_DIR = "checkpoints"
 COMPLETE = "COMPLETE"
-DRIVER_STATE = "driver.pkl"
+DRIVER_STATE = "driver.json"
 TRAINER_DIR = "trainer"
+RUN_FILE = "run.json"
+FORMAT_VERSION = 2
+"""The checkpoint layout this sluice writes and reads (1: ``driver.pkl``, no run id; 2: JSON)."""
 _PREFIX = "step_"
+_NAME = re.compile(r"step_(\d{6})")
 _TMP = ".tmp-"
+_REJECTED = ".rejected"
 RESUMABLE_FIELDS = frozenset(
     {
         "steps",
@@ -53,63 +68,127 @@ class CheckpointError(ConfigError):
 
 
 class CheckpointStore:
-    """The checkpoints of one run directory."""
+    """The checkpoints of one run (``run_id``) in its run directory."""
 
-    def __init__(self, run_dir: str | Path, keep: int = 2) -> None:
+    def __init__(
+        self, run_dir: str | Path, keep: int = 2, run_id: str = "", data: Mapping[str, str] | None = None
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.root = Path(run_dir) / CHECKPOINTS_DIR
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / CHECKPOINTS_DIR
         self.keep = keep
+        self.run_id = run_id
+        self.data = dict(data or {})
+        """The data files' SHA-256 (``data_fingerprint``), recorded in every manifest."""
 
     def begin(self, version: int) -> Path:
-        """A fresh temp folder for the checkpoint of ``version`` (leftovers of crashed writes go)."""
+        """A fresh temp folder for the checkpoint of ``version`` (this run's crashed writes go)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(f"{_TMP}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = self.root / f"{_TMP}{_PREFIX}{version:06d}"
+        for stale in self.root.glob(f"{self._tmp_prefix}*"):
+            shutil.rmtree(stale)
+        tmp = self.root / f"{self._tmp_prefix}{_PREFIX}{version:06d}"
         tmp.mkdir()
         return tmp
 
     def commit(self, tmp: Path, version: int) -> Path:
-        """Seal ``tmp`` (manifest, fsync) and rename it into place; prune old checkpoints."""
+        """Seal ``tmp`` (manifest, fsync), rename it into place, verify it as written; only then
+        prune this run's older checkpoints."""
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        sums = {name: _sha256(tmp / name) for name in files}
-        sizes = {name: (tmp / name).stat().st_size for name in files}
-        (tmp / COMPLETE).write_text(json.dumps({"version": version, "files": files, "bytes": sizes, "sha256": sums}))
+        manifest = {
+            "format": FORMAT_VERSION,
+            "run_id": self.run_id,
+            "version": version,
+            "data": self.data,
+            "files": files,
+            "bytes": {name: (tmp / name).stat().st_size for name in files},
+            "sha256": {name: _sha256(tmp / name) for name in files},
+        }
+        (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1))
         _fsync_tree(tmp)
         final = self.root / f"{_PREFIX}{version:06d}"
-        if final.exists():  # a resumed run writing the step again: the new one replaces it
-            shutil.rmtree(final)
+        replaced = None
+        if final.exists():  # this run writing a step again replaces it, after the new one verified
+            if run_id_of(final) == self.run_id:
+                replaced = self.root / f"{self._tmp_prefix}replaced-{final.name}"
+                os.replace(final, replaced)
+            else:  # not this run's: kept, out of the way
+                set_aside(final)
         os.replace(tmp, final)
         _fsync_dir(self.root)
+        verify_checkpoint(final)
+        if replaced is not None:
+            shutil.rmtree(replaced)
         self.prune()
         return final
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob(f"{_PREFIX}*") if p.is_dir() and incomplete_reason(p) is None]
-        return sorted(found, key=lambda p: p.name)
+        """This run's complete checkpoints, oldest first."""
+        return [p for p in complete_checkpoints(self.root) if run_id_of(p) == self.run_id]
 
     def latest(self) -> Path | None:
         done = self.complete()
         return done[-1] if done else None
 
     def drop_newer_than(self, version: int) -> None:
-        """A resume from an older checkpoint abandons the newer ones (``resume=auto`` must not
-        pick them later)."""
+        """A resume from an older checkpoint abandons this run's newer ones (``resume=auto`` must
+        not pick them later). Call only once the resumed checkpoint verified."""
         for path in self.complete():
-            if int(path.name.removeprefix(_PREFIX)) > version:
+            if step_of(path) > version:
                 shutil.rmtree(path)
 
     def prune(self) -> None:
         for old in self.complete()[: -self.keep]:
             shutil.rmtree(old)
 
+    @property
+    def _tmp_prefix(self) -> str:
+        return f"{_TMP}{self.run_id}-"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix(_PREFIX))
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """Every ``step_NNNNNN`` folder under ``root`` (complete or not, any run), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _NAME.fullmatch(p.name)), key=lambda p: p.name)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete ones of ``checkpoint_folders`` (any run), oldest first."""
+    return [p for p in checkpoint_folders(root) if incomplete_reason(p) is None]
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """``path``'s ``COMPLETE`` manifest; a checkpoint of another format version is an error naming
+    the version found and the one this sluice reads."""
+    try:
+        manifest = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"run.resume: {path / COMPLETE} is unreadable ({err})") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != FORMAT_VERSION:
+        written = "none (written by a sluice before format versions)" if found is None else found
+        raise CheckpointError(
+            f"run.resume: {path} has checkpoint format version {written}; this sluice reads format version "
+            f"{FORMAT_VERSION} (resume it with the sluice that wrote it, or start a new run.name)"
+        )
+    return manifest
+
+
+def run_id_of(path: Path) -> str | None:
+    """The run id in ``path``'s manifest (``None``: none, unreadable, or another format)."""
+    try:
+        return str(read_manifest(path)["run_id"])
+    except (CheckpointError, KeyError):
+        return None
+
 
 def incomplete_reason(path: Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or ``None`` if it is one."""
+    """Why ``path`` is not a complete checkpoint, or ``None`` if it is one (of any format)."""
     manifest = path / COMPLETE
     if not manifest.is_file():
         return f"no {COMPLETE} manifest (the write did not finish, or it is not a checkpoint folder)"
@@ -118,21 +197,37 @@ def incomplete_reason(path: Path) -> str | None:
     except (ValueError, KeyError, TypeError):
         return f"unreadable {COMPLETE} manifest"
     missing = [name for name in files if not (path / name).is_file()]
-    if DRIVER_STATE not in files or missing:
-        return f"files missing: {missing or [DRIVER_STATE]}"
-    return None
+    return f"files missing: {missing}" if missing else None
 
 
 def verify_checkpoint(path: Path) -> None:
-    """Every file the manifest lists has its recorded size and SHA-256, before anything in it is
-    unpickled (the driver state, DCP's metadata); raises ``CheckpointError`` naming the file."""
-    manifest = json.loads((path / COMPLETE).read_text())
-    if "sha256" not in manifest:
-        raise CheckpointError(f"run.resume: {path} has no checksums in {COMPLETE} (written by an older sluice)")
-    for name, digest in manifest["sha256"].items():
+    """The format version, and every file the manifest lists with its recorded size and SHA-256,
+    before anything in it is read (the driver state, DCP's pickled metadata); raises
+    ``CheckpointError`` naming the file."""
+    manifest = read_manifest(path)
+    if DRIVER_STATE not in manifest["files"]:
+        raise CheckpointError(f"run.resume: {path} has no {DRIVER_STATE}")
+    for name in manifest["files"]:
         file = path / name
-        if not file.is_file() or file.stat().st_size != manifest["bytes"][name] or _sha256(file) != digest:
+        if not file.is_file():
+            raise CheckpointError(f"run.resume: {file} is missing (listed in {path / COMPLETE})")
+        if file.stat().st_size != manifest["bytes"][name]:
+            size = file.stat().st_size
+            raise CheckpointError(f"run.resume: {file} has {size} bytes, {manifest['bytes'][name]} were written")
+        if _sha256(file) != manifest["sha256"][name]:
             raise CheckpointError(f"run.resume: {file} does not match the checksum in {path / COMPLETE}")
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint folder out of every listing (``step_NNNNNN.rejected``, numbered if
+    taken) without deleting anything; the new path."""
+    target = path.with_name(path.name + _REJECTED)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{_REJECTED}-{n}")
+    os.replace(path, target)
+    return target
 
 
 def _sha256(file: Path) -> str:
@@ -143,29 +238,87 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def resolve_resume(spec: str | None, run_dir: str | Path) -> Path | None:
-    """The checkpoint ``run.resume`` names: ``auto`` → the run dir's newest complete one (``None``
-    if there is none); a path → that folder, which must be complete; ``None`` → no resume."""
-    if spec is None or spec == "":
-        return None
-    if spec == "auto":
-        return CheckpointStore(run_dir).latest()
-    path = Path(spec)
+def open_run(run_dir: Path, resume: str | None) -> tuple[str, list[Path]]:
+    """This run's id and the checkpoints to try, newest first (``[]``: start fresh).
+
+    ``resume`` ``None``: a fresh run, refused if the run dir holds any checkpoint; it gets a new
+    id, written to ``run.json``. ``auto``: the complete checkpoints of the run the newest one
+    belongs to, newest first (a checkpoint of another format version is an error), or fresh if
+    there are none (with the id in ``run.json``, if a run that never checkpointed left one). A
+    path: that checkpoint, which must be complete; the run continues its run id, in a run dir that
+    holds no other run's checkpoints."""
+    root = run_dir / CHECKPOINTS_DIR
+    recorded = _recorded_run_id(run_dir)
+    if resume is None or resume == "":
+        held = checkpoint_folders(root) + sorted(root.glob(f"{_TMP}*"))
+        if held:
+            raise CheckpointError(
+                f"run.resume: {run_dir} already holds checkpoints ({held[-1].name}, run "
+                f"{recorded or 'unknown'}); pass resume=auto to continue that run, or choose another run.name"
+            )
+        return _record_run_id(run_dir, uuid.uuid4().hex), []
+    if resume == "auto":
+        done = complete_checkpoints(root)
+        ids = [str(read_manifest(p).get("run_id")) for p in reversed(done)]  # a format mismatch stops here
+        run_id = ids[0] if ids else recorded or uuid.uuid4().hex
+        return _record_run_id(run_dir, run_id), [p for p, i in zip(reversed(done), ids, strict=True) if i == run_id]
+    path = Path(resume)
     reason = incomplete_reason(path) if path.is_dir() else "not a folder"
     if reason is not None:
         raise CheckpointError(f"run.resume: {path} is not a complete checkpoint: {reason}")
-    return path
+    run_id = str(read_manifest(path).get("run_id"))
+    others = {str(read_manifest(p).get("run_id")) for p in complete_checkpoints(root)} - {run_id}
+    if others:
+        raise CheckpointError(
+            f"run.resume: {run_dir} holds checkpoints of another run ({sorted(others)[0]}) than {path} "
+            f"({run_id}); resume it into its own run dir or choose another run.name"
+        )
+    return _record_run_id(run_dir, run_id), [path]
 
 
-def write_driver_state(folder: Path, state: Any) -> None:
-    with (folder / DRIVER_STATE).open("wb") as f:
-        pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+def _recorded_run_id(run_dir: Path) -> str | None:
+    file = run_dir / RUN_FILE
+    if not file.is_file():
+        return None
+    try:
+        return str(json.loads(file.read_text())["run_id"])
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f'run.resume: {file} is unreadable (it should hold {{"run_id": ...}})') from None
 
 
-def read_driver_state(folder: Path) -> Any:
-    """The driver state of a complete checkpoint (a pickle this code wrote: trusted input only)."""
-    with (folder / DRIVER_STATE).open("rb") as f:
-        return pickle.load(f)
+def _record_run_id(run_dir: Path, run_id: str) -> str:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": run_id}) + "\n")
+    return run_id
+
+
+def data_fingerprint(paths: Sequence[str]) -> dict[str, str]:
+    """SHA-256 of every data file (each file of a ``datasets`` folder), by path."""
+    out: dict[str, str] = {}
+    for spec in paths:
+        top = Path(spec)
+        files = sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else [top]
+        out.update({str(f): _sha256(f) for f in files if f.is_file()})
+    return out
+
+
+def data_changes(saved: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
+    """Data files added, removed or changed since ``saved``."""
+    return sorted(name for name in set(saved) | set(current) if saved.get(name) != current.get(name))
+
+
+def write_driver_state(folder: Path, state: Any, classes: Mapping[str, type] | None = None) -> None:
+    """``state`` as ``driver.json``; dataclasses and enums only of ``classes`` (what a resume may
+    build: a type outside them fails here, at the save)."""
+    (folder / DRIVER_STATE).write_text(state_codec.dumps(state, dict(classes or {})))
+
+
+def read_driver_state(folder: Path, classes: Mapping[str, type] | None = None) -> Any:
+    """The driver state of a verified checkpoint; dataclasses and enums only of ``classes``."""
+    try:
+        return state_codec.loads((folder / DRIVER_STATE).read_text(), dict(classes or {}))
+    except (ValueError, TypeError, KeyError) as err:  # StateCodecError and JSON errors are ValueErrors
+        raise CheckpointError(f"run.resume: {folder / DRIVER_STATE} is unreadable ({err})") from None
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

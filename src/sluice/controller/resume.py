@@ -30,17 +30,22 @@ from sluice.controller.checkpoint import (
     CheckpointError,
     CheckpointStore,
     config_changes,
+    data_changes,
+    data_fingerprint,
     log_sizes,
-    read_driver_state,
-    resolve_resume,
+    open_run,
+    read_manifest,
+    set_aside,
     truncate_log,
     verify_checkpoint,
     write_driver_state,
 )
-from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.checkpoint import read_driver_state as read_state_file
+from sluice.controller.ledger import GroupLedger, GroupRecord, GroupState
 from sluice.controller.loop import Controller
 from sluice.controller.run_state import LOGS, TrainingRun
-from sluice.rollout.evaluate import EvalResult
+from sluice.controller.staleness import StalenessGate
+from sluice.rollout.evaluate import EvalResult, EvalScores
 from sluice.trainer.rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
@@ -89,22 +94,62 @@ class DriverState:
 
 def open_checkpoints(config: SluiceConfig, run_dir: Path) -> tuple[CheckpointStore, Path | None, DriverState | None]:
     """The run's checkpoint store and, with ``run.resume``, the checkpoint continued and its driver
-    state, with the logs cut back to it (``None`` s when starting fresh). Checkpoints newer than the
-    resumed one belong to the abandoned continuation and are removed."""
-    store = CheckpointStore(run_dir, config.run.keep_checkpoints)
-    path = resolve_resume(config.run.resume, run_dir)
-    if path is None:
+    state (``None`` s when starting fresh). Nothing is cut or removed before that checkpoint
+    verified and its state was read: then the logs are cut back to it and this run's newer
+    checkpoints (the abandoned continuation) are removed. With ``resume=auto`` a checkpoint that
+    fails is renamed ``*.rejected`` (logged with its reason) and the previous one is tried."""
+    run_id, candidates = open_run(run_dir, config.run.resume)
+    data = data_fingerprint([*config.data.train_files, *config.data.val_files])
+    store = CheckpointStore(run_dir, config.run.keep_checkpoints, run_id, data)
+    if not candidates:
         return store, None, None
-    verify_checkpoint(path)  # before any pickle in it is read (the driver's, DCP's metadata)
-    state = read_driver_state(path)
+    path, state, rejected = _first_usable(candidates, explicit=config.run.resume != "auto")
     changed = config_changes(state.config, config.model_dump(mode="json"))
     if changed:
         raise CheckpointError(f"run.resume: {path} was written with a different config: {', '.join(changed)}")
+    files = data_changes(read_manifest(path)["data"], data)
+    if files:
+        raise CheckpointError(
+            f"run.resume: data file {files[0]} changed since {path} was written (SHA-256 differs"
+            f"{f'; {len(files)} files in all' if len(files) > 1 else ''}); resume with the same data or "
+            "start a new run.name"
+        )
+    for bad, reason in rejected:
+        log.warning("checkpoint %s is unusable (%s): kept as %s; resuming from %s", bad, reason, set_aside(bad), path)
     for name in LOGS:
         truncate_log(run_dir / name, state.logs.get(name, 0))
     store.drop_newer_than(state.version)
     log.warning("resuming %s from %s (version %d)", run_dir, path, state.version)
     return store, path, state
+
+
+def _first_usable(candidates: list[Path], explicit: bool) -> tuple[Path, DriverState, list[tuple[Path, str]]]:
+    """The newest candidate that verifies and whose driver state reads, and the ones that failed
+    (with why). An explicit ``run.resume`` path that fails, or no usable candidate, is an error."""
+    failed: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:  # deliberately: a damaged checkpoint falls back to the previous one
+            verify_checkpoint(path)  # before any file in it is read (the driver's, DCP's metadata)
+            return path, read_driver_state(path), failed
+        except CheckpointError as err:
+            if explicit:
+                raise
+            failed.append((path, str(err).removeprefix("run.resume: ")))
+    listed = "; ".join(f"{p.name}: {why}" for p, why in failed)
+    raise CheckpointError(f"run.resume: no usable checkpoint in {candidates[0].parent} ({listed})")
+
+
+_STATE_TYPES = (DriverState, AsyncCut, GroupLedger, GroupRecord, GroupState, StalenessGate, GroupReport, PromptItem)
+STATE_CLASSES: dict[str, type] = {cls.__name__: cls for cls in (*_STATE_TYPES, EvalResult, EvalScores)}
+"""The classes a checkpoint's driver state may hold (``state_codec`` builds no other)."""
+
+
+def read_driver_state(path: Path) -> DriverState:
+    """The driver state of the checkpoint at ``path`` (verified first: ``verify_checkpoint``)."""
+    state = read_state_file(path, STATE_CLASSES)
+    if not isinstance(state, DriverState):
+        raise CheckpointError(f"run.resume: {path} holds no driver state")
+    return state
 
 
 async def save_checkpoint(
@@ -118,7 +163,7 @@ async def save_checkpoint(
     await pipeline.save_state(str(tmp / TRAINER_DIR))
     written = {gid for gid, g in cut.ledger.groups.items() if g.state is GroupState.OPEN and g.generated}
     cut.queue = await pipeline.queue_snapshot(written)
-    write_driver_state(tmp, state)
+    write_driver_state(tmp, state, STATE_CLASSES)
     return await asyncio.to_thread(run.checkpoints.commit, tmp, version)
 
 
