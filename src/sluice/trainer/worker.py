@@ -316,7 +316,7 @@ class TrainerWorker:
         self.engine.load(path)
         if self.critic is not None:
             self.critic.load(path)
-        state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)  # our own file: RNG tuples
+        state = torch.load(Path(path) / TRAINER_STATE, weights_only=True)
         self.version = int(state["version"])
         restore_rng(state["rng"])
         self._publish_weights()
