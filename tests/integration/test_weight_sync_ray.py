@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import time
 
 import pytest
 import ray
@@ -64,4 +66,33 @@ def test_engine_actor_applies_a_published_version(ray_cluster) -> None:
     assert checksum == pytest.approx(_checksum(published[3]), rel=1e-12)
     assert first.versions == (0, 0, 0) + (3,) * 5 and second.versions == (3,) * 8
     assert stats["version"] == 3 and stats["weight_updates"] == 1
+    sync.shutdown()
+
+
+def test_a_version_outlives_its_publisher(ray_cluster) -> None:
+    """The registry owns each version's object: a publisher that dies (a trainer replaced or
+    killed) leaves the current weights fetchable for an engine restarted after it."""
+    sync = ObjectStoreWeightSync(name="test-weight-owner", keep=2)
+
+    @ray.remote(num_cpus=0)
+    class Publisher:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def publish(self, sync: ObjectStoreWeightSync, weights: dict[str, torch.Tensor]) -> int:
+            sync.publish(weights, 1)
+            return 1
+
+    publisher = Publisher.remote()
+    weights = {**_weights(7), "big": torch.randn(1 << 20)}  # 4 MiB: kept in shared memory, not inlined in its ref
+    assert ray.get(publisher.publish.remote(sync, weights)) == 1
+    pid = ray.get(publisher.pid.remote())
+    ray.kill(publisher)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), "the publisher's process outlived ray.kill"
+    time.sleep(3)  # Ray's news of the owner's death (a publisher-owned object is lost by then)
+    fetched = sync.fetch(1)
+    assert _checksum(dict(fetched)) == _checksum(weights)
     sync.shutdown()

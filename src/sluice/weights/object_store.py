@@ -2,17 +2,21 @@
 
 ``ObjectStoreWeightSync`` implements ``WeightSync`` across processes on one Ray cluster.
 ``publish`` packs the state dict as flat ``uint8`` numpy views (any dtype, bf16 included) and puts
-it as ONE object (many small puts cost ~0.5 ms each), then registers ``{version: ref}`` in a tiny
-named registry actor that holds only the newest ``keep`` refs (dropping a ref frees the object
-once no fetcher still uses it). Any process holding the (picklable) sync object can ``fetch``: it
+it as ONE object (many small puts cost ~0.5 ms each) through a tiny named registry actor that
+holds only the newest ``keep`` refs (dropping a ref frees the object once no fetcher still
+uses it). Any process holding the (picklable) sync object can ``fetch``: it
 asks the registry for the ref and ``ray.get`` s it, which maps the shared-memory buffers without
 copying on the same node, so the returned tensors are read-only views that keep the object
 pinned while they live (``update_weights`` copies them into the model or a host buffer).
 
+The registry actor itself puts each version's object (a Ray object dies with the process that
+put it; this costs one copy of the weights within the object store), so a replaced rollout
+worker can fetch the current weights even after their publisher died. The registry actor
+belongs to the process that created it (non-detached); if it dies, the run's weights are gone
+and the run ends.
+
 Not here: applying weights (``InferenceEngine.update_weights``), GPU collectives (NCCL
-broadcast), or surviving the publisher: Ray objects are owned by the process that put them, so
-a version becomes unreadable if its publisher dies; the registry actor belongs to the process
-that created it (non-detached).
+broadcast).
 """
 
 from __future__ import annotations
@@ -59,9 +63,12 @@ class _Registry:
         self.keep = keep
         self._refs: dict[int, list[Any]] = {}
 
-    def register(self, version: int, boxed_ref: list[Any]) -> None:
+    def store(self, version: int, packed: Packed) -> None:
+        """Put ``packed`` (this actor owns the object, so it outlives its publisher) as ``version``."""
+        import ray
+
         check_publish(version, max(self._refs, default=NO_VERSION))
-        self._refs[version] = boxed_ref
+        self._refs[version] = [ray.put(packed)]
         for old in sorted(self._refs)[: -self.keep]:
             del self._refs[old]
 
@@ -94,11 +101,10 @@ class ObjectStoreWeightSync:
         self.__dict__.update(state, _registry=None)
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """One ``ray.put`` of the whole state dict, registered as ``version`` (returns once registered)."""
+        """The whole state dict as one object, put by the registry as ``version`` (returns once stored)."""
         import ray
 
-        ref = ray.put(pack(named_tensors))
-        ray.get(self._handle().register.remote(version, [ref]))
+        ray.get(self._handle().store.remote(version, pack(named_tensors)))
 
     def fetch(self, version: int) -> Mapping[str, torch.Tensor]:
         """The tensors of ``version``: read-only, zero-copy views of the object on this node."""
