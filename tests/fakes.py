@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,8 +287,8 @@ def short_only_reward(response: str, *, bucket: str = "short", **_: Any) -> floa
 class FaultyReward:
     """A ``RewardFn`` that fails on long prompts (``bucket='long'``; on every prompt when
     ``always``) and otherwise returns ``length_reward``. ``mode`` picks the failure: ``raise``,
-    ``nan``, ``text`` (returns a string) or ``hang`` (sleeps ``hang_s``). Picklable, so it runs
-    in reward processes."""
+    ``nan``, ``text`` (returns a string), ``exit`` (ends its process) or ``hang`` (sleeps
+    ``hang_s``). Picklable, so it runs in reward processes."""
 
     mode: str
     always: bool = False
@@ -295,14 +297,36 @@ class FaultyReward:
     def __call__(self, response: str, *, bucket: str = "short", **_: Any) -> Any:
         if not self.always and bucket != "long":
             return length_reward(response)
-        if self.mode == "raise":
-            raise ValueError("scripted reward failure")
-        if self.mode == "nan":
-            return float("nan")
-        if self.mode == "text":
-            return "1.0"
-        time.sleep(self.hang_s)
-        return 1.0
+        return _fail(self.mode, self.hang_s)
+
+
+@dataclass(frozen=True)
+class FlakyReward:
+    """``length_reward``, failing (``FaultyReward``'s ``mode``) on the share of prompts whose
+    ``answer`` hashes below ``share``: deterministic, the same prompts in every run and process."""
+
+    share: float
+    mode: str = "raise"
+
+    def __call__(self, response: str, *, answer: str = "", **_: Any) -> Any:
+        if zlib.crc32(str(answer).encode()) % 1000 >= self.share * 1000:
+            return length_reward(response)
+        return _fail(self.mode, 60.0)
+
+
+def _fail(mode: str, hang_s: float) -> Any:
+    """A scripted reward failure: ``raise``, ``nan``, ``text``, ``exit`` (the reward's process
+    ends at once, as a crash would) or else a hang of ``hang_s`` seconds."""
+    if mode == "exit":
+        os._exit(3)
+    if mode == "raise":
+        raise ValueError("scripted reward failure")
+    if mode == "nan":
+        return float("nan")
+    if mode == "text":
+        return "1.0"
+    time.sleep(hang_s)
+    return 1.0
 
 
 async def async_length_reward(response: str, **fields: Any) -> float:
