@@ -194,14 +194,23 @@ def length_reward(response: str, **_: Any) -> float:
 class FakePipeline:
     """An ``Pipeline`` whose rollouts sleep for a scripted latency (seconds) per group.
 
-    ``latency(group_id)`` and ``discard(group_id)`` script each group; a group's version is the
+    ``latency(group_id)`` and ``discard(group_id)`` script each group (a discarded group is
+    reported as failed by ``failed_by`` when that is set); a group's version is the
     engine version when its wave started. ``steps`` records the group ids each step trained;
     ``aborted`` the groups ``abort_groups`` stopped (each then reports its reason).
     """
 
-    def __init__(self, latency: Any, discard: Any = None, sync_s: float = 0.0, slots: int | None = None) -> None:
+    def __init__(
+        self,
+        latency: Any,
+        discard: Any = None,
+        sync_s: float = 0.0,
+        slots: int | None = None,
+        failed_by: str | None = None,
+    ) -> None:
         self.latency = latency
         self.discard = discard or (lambda gid: False)
+        self.failed_by = failed_by
         self.sync_s = sync_s
         self.slots = asyncio.Semaphore(slots) if slots else None
         """``slots``: groups generating at once, like an engine's batch; the others wait, and a
@@ -241,6 +250,7 @@ class FakePipeline:
                     raise
                 return GroupReport(gid, -1, 2, 0, (), discard_reason=self.aborted[gid])
             reason = "scripted" if self.discard(gid) else None
+            failed = self.failed_by if reason else None
             return GroupReport(
                 gid,
                 started,
@@ -249,6 +259,8 @@ class FakePipeline:
                 rewards=(0.0, 1.0),
                 discard_reason=reason,
                 sample_versions=(started, started),
+                failed_by=failed,
+                error=f"ValueError: group {gid}" if failed else "",
             )
 
         tasks = {gid: asyncio.ensure_future(one(gid)) for _, gid in groups}
