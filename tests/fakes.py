@@ -326,6 +326,11 @@ class FlakyReward:
         return _fail(self.mode, 60.0)
 
 
+def raising_reward(response: str, **_: Any) -> float:
+    """A reward that always raises (``reward.fn=fakes:raising_reward``)."""
+    raise ValueError("scripted reward failure")
+
+
 def _fail(mode: str, hang_s: float) -> Any:
     """A scripted reward failure: ``raise``, ``nan``, ``text``, ``exit`` (the reward's process
     ends at once, as a crash would) or else a hang of ``hang_s`` seconds."""

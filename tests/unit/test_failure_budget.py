@@ -134,3 +134,15 @@ def test_the_env_report_names_the_failed_environment_and_its_last_error():
     assert report.discard_reason == ENV_FAILURE
     assert report.failed_by == "environment 'calculator'"
     assert report.error.startswith("env_error: step")
+
+
+def test_a_failing_reward_warns_once_per_reason_and_counts_every_call(caplog):
+    service = RewardService(FaultyReward("raise", always=True), pool_size=0, name="faulty")
+
+    async def score():
+        return await asyncio.gather(*(service("abc") for _ in range(5)), return_exceptions=True)
+
+    with caplog.at_level("WARNING", logger="sluice.rewards.service"):
+        asyncio.run(score())
+    assert len(caplog.records) == 1 and "reward_error:faulty" in caplog.records[0].getMessage()
+    assert service.stats()["reward_error:faulty"] == 5.0

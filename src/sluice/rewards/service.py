@@ -87,7 +87,10 @@ class RewardService:
     def _failed(self, kind: str, detail: str) -> RewardFailure:
         failure = RewardFailure(kind, self.__name__, detail)
         self.failures[failure.reason] += 1
-        log.warning("%s", failure)
+        if self.failures[failure.reason] == 1:  # the rest are counted (stats), not logged one by one
+            log.warning("%s (further %s failures are counted in metrics, not logged)", failure, failure.reason)
+        else:
+            log.debug("%s", failure)
         return failure
 
     def stats(self) -> dict[str, float]:
