@@ -76,3 +76,16 @@ def test_a_reward_failing_on_a_tenth_of_prompts_finishes_with_the_failures_count
     assert failed > 0 and failed % 4 == 0  # whole groups of 4
     assert rewards["reward_error:FlakyReward"] == failed  # every sample of a failing prompt failed
     assert failed / 4 <= 0.3 * (fates["groups_trained"] + failed / 4)  # about a tenth of the groups
+
+
+def test_the_loop_by_hand_stops_on_the_same_budget(tiny_task_model, tmp_path):
+    overrides = [*_overrides(tiny_task_model, tmp_path, "always_by_hand", "sync", "local"), "run.failure_window=8"]
+    trainer = RLTrainer(load_config(None, overrides), reward=FaultyReward("raise", always=True))
+    trainer.init_engines()
+    trainer.load_prompt_data()
+    try:
+        assert trainer.send_experience_data() == []  # 4 failed groups of 8: within the 50 % budget
+        with pytest.raises(FailureBudgetExceeded, match=r"^reward 'FaultyReward' failed 5 of the last 5 groups"):
+            trainer.send_experience_data()
+    finally:
+        trainer.close()
