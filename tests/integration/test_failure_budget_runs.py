@@ -89,3 +89,27 @@ def test_the_loop_by_hand_stops_on_the_same_budget(tiny_task_model, tmp_path):
             trainer.send_experience_data()
     finally:
         trainer.close()
+
+
+def test_an_environment_that_always_fails_stops_the_run_with_one_line(tmp_path):
+    from sluice.tasks import TASKS
+    from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+
+    model = tmp_path / "calculator_model"
+    tok = build_char_tokenizer(TASKS["calculator"].alphabet)
+    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    build_tiny_llama(spec, tok, seed=0).save_pretrained(model)
+    tok.save_pretrained(model)
+    options = [
+        "task.name=calculator", "run.mode=async", "run.backend=local", "run.eval_every=0", "agentic.max_turns=3",
+        "agentic.turn_tokens=6", "agentic.env=fakes:FakeEnv", "agentic.env_kwargs={fail: [0, raise]}",
+        "run.failure_window=16",
+    ]  # fmt: skip
+    config = load_config(None, [*tiny_run_overrides(model, tmp_path, "env_always"), *options])
+    with pytest.raises(FailureBudgetExceeded) as stop:
+        RLTrainer(config).fit()
+    assert str(stop.value) == (
+        "environment 'fakes:FakeEnv' failed 9 of the last 9 groups (budget 50 %); "
+        "last error: env_error: step: RuntimeError('scripted env failure at step 0')"
+    )
