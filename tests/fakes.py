@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,14 +194,23 @@ def length_reward(response: str, **_: Any) -> float:
 class FakePipeline:
     """An ``Pipeline`` whose rollouts sleep for a scripted latency (seconds) per group.
 
-    ``latency(group_id)`` and ``discard(group_id)`` script each group; a group's version is the
+    ``latency(group_id)`` and ``discard(group_id)`` script each group (a discarded group is
+    reported as failed by ``failed_by`` when that is set); a group's version is the
     engine version when its wave started. ``steps`` records the group ids each step trained;
     ``aborted`` the groups ``abort_groups`` stopped (each then reports its reason).
     """
 
-    def __init__(self, latency: Any, discard: Any = None, sync_s: float = 0.0, slots: int | None = None) -> None:
+    def __init__(
+        self,
+        latency: Any,
+        discard: Any = None,
+        sync_s: float = 0.0,
+        slots: int | None = None,
+        failed_by: str | None = None,
+    ) -> None:
         self.latency = latency
         self.discard = discard or (lambda gid: False)
+        self.failed_by = failed_by
         self.sync_s = sync_s
         self.slots = asyncio.Semaphore(slots) if slots else None
         """``slots``: groups generating at once, like an engine's batch; the others wait, and a
@@ -239,6 +250,7 @@ class FakePipeline:
                     raise
                 return GroupReport(gid, -1, 2, 0, (), discard_reason=self.aborted[gid])
             reason = "scripted" if self.discard(gid) else None
+            failed = self.failed_by if reason else None
             return GroupReport(
                 gid,
                 started,
@@ -247,6 +259,8 @@ class FakePipeline:
                 rewards=(0.0, 1.0),
                 discard_reason=reason,
                 sample_versions=(started, started),
+                failed_by=failed,
+                error=f"ValueError: group {gid}" if failed else "",
             )
 
         tasks = {gid: asyncio.ensure_future(one(gid)) for _, gid in groups}
@@ -285,8 +299,8 @@ def short_only_reward(response: str, *, bucket: str = "short", **_: Any) -> floa
 class FaultyReward:
     """A ``RewardFn`` that fails on long prompts (``bucket='long'``; on every prompt when
     ``always``) and otherwise returns ``length_reward``. ``mode`` picks the failure: ``raise``,
-    ``nan``, ``text`` (returns a string) or ``hang`` (sleeps ``hang_s``). Picklable, so it runs
-    in reward processes."""
+    ``nan``, ``text`` (returns a string), ``exit`` (ends its process) or ``hang`` (sleeps
+    ``hang_s``). Picklable, so it runs in reward processes."""
 
     mode: str
     always: bool = False
@@ -295,14 +309,41 @@ class FaultyReward:
     def __call__(self, response: str, *, bucket: str = "short", **_: Any) -> Any:
         if not self.always and bucket != "long":
             return length_reward(response)
-        if self.mode == "raise":
-            raise ValueError("scripted reward failure")
-        if self.mode == "nan":
-            return float("nan")
-        if self.mode == "text":
-            return "1.0"
-        time.sleep(self.hang_s)
-        return 1.0
+        return _fail(self.mode, self.hang_s)
+
+
+@dataclass(frozen=True)
+class FlakyReward:
+    """``length_reward``, failing (``FaultyReward``'s ``mode``) on the share of prompts whose
+    ``answer`` hashes below ``share``: deterministic, the same prompts in every run and process."""
+
+    share: float
+    mode: str = "raise"
+
+    def __call__(self, response: str, *, answer: str = "", **_: Any) -> Any:
+        if zlib.crc32(str(answer).encode()) % 1000 >= self.share * 1000:
+            return length_reward(response)
+        return _fail(self.mode, 60.0)
+
+
+def raising_reward(response: str, **_: Any) -> float:
+    """A reward that always raises (``reward.fn=fakes:raising_reward``)."""
+    raise ValueError("scripted reward failure")
+
+
+def _fail(mode: str, hang_s: float) -> Any:
+    """A scripted reward failure: ``raise``, ``nan``, ``text``, ``exit`` (the reward's process
+    ends at once, as a crash would) or else a hang of ``hang_s`` seconds."""
+    if mode == "exit":
+        os._exit(3)
+    if mode == "raise":
+        raise ValueError("scripted reward failure")
+    if mode == "nan":
+        return float("nan")
+    if mode == "text":
+        return "1.0"
+    time.sleep(hang_s)
+    return 1.0
 
 
 async def async_length_reward(response: str, **fields: Any) -> float:

@@ -2,7 +2,9 @@
 ``simulate``, ``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
-dataset, model path) into one line on stderr with exit code 2. All work is delegated to
+dataset, model path) into one line on stderr with exit code 2, and a run that stopped itself
+(``RunStopped``: a reward or environment over its failure budget) into its one line with exit
+code 1. All work is delegated to
 ``sluice.RLTrainer`` and the evaluator.
 """
 
@@ -36,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except _run_stops() as err:  # the run stopped itself (e.g. a failure budget): its one line
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -212,6 +217,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from sluice.telemetry.plot import MetricsFileError
 
     return (ConfigError, DatasetError, ModelPathError, DagError, MetricsFileError)
+
+
+def _run_stops() -> tuple[type[Exception], ...]:
+    from sluice.controller.failures import RunStopped
+
+    return (RunStopped,)
 
 
 if __name__ == "__main__":

@@ -192,3 +192,5 @@ class RewardFailure(Exception):
         self.kind = kind
         self.name = name
         self.reason = f"reward_{kind}:{name}"
+        self.detail = detail
+        """The error itself (``ValueError: boom``, ``returned nan, not a finite number``)."""

@@ -163,3 +163,8 @@ class GroupReport:
     finished_at: float = 0.0
     sample_versions: tuple[int, ...] = ()
     """Each sample's oldest token's version, in sample order (empty: not reported)."""
+    failed_by: str | None = None
+    """What failed the group when a failure discarded it: ``reward 'NAME'`` or ``environment
+    'NAME'`` (``None``: no failure; the run's failure budget counts these)."""
+    error: str = ""
+    """That failure's error text (the group's first failed reward call, or last failed episode)."""

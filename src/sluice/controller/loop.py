@@ -14,6 +14,8 @@ through the TransferQueue. ``run.mode: sync`` is the same loop with ``barrier=Tr
 a step trains only once none of its groups is generating, and the engines load v + 1 before the
 step is reported. The driver only moves group ids, versions and counters; sample data goes
 rollout → queue → trainer directly. Both schedules compute the same steps (the golden-loss test).
+Every reported group also goes to the run's ``FailureBudget`` (``failures.py``): a reward or
+environment over budget stops admission and ends the run with its one-line ``RunStopped`` error.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from sluice.api import GroupReport, PromptItem
+from sluice.controller.failures import FailureBudget, RunStopped
 from sluice.controller.ledger import GroupLedger
 
 
@@ -60,8 +63,18 @@ StepCallback = Callable[[int, list[int], dict[str, float]], Awaitable[bool]]
 class Controller:
     """Runs ``steps`` training steps of ``groups_per_step`` groups over a ``Pipeline``."""
 
-    def __init__(self, pipeline: Pipeline, ledger: GroupLedger, groups_per_step: int, *, barrier: bool = False) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        ledger: GroupLedger,
+        groups_per_step: int,
+        *,
+        barrier: bool = False,
+        failures: FailureBudget | None = None,
+    ) -> None:
         self.pipeline = pipeline
+        self.failures = failures
+        """Judges every reported group; ``None``: failures never stop the run."""
         self.barrier = barrier
         """The ``sync`` schedule: a step trains only once no group is generating, and the engines
         load the new version before the step is reported (no overlap of any kind)."""
@@ -132,6 +145,8 @@ class Controller:
         """Start new groups while ``accepted + in_flight < (v + η + 1) · B`` (v = engines' version),
         all that fit as one wave; never past the run's budget (a group no remaining step could
         train would only be generated to be abandoned at the end, on the cores the last steps need)."""
+        if self._failure is not None:  # the run is stopping: nothing new starts
+            return
         wave = []
         while self.ledger.capacity(self.pipeline.engine_version) > 0 and self._within_budget():
             gid, self._next_group = self._next_group, self._next_group + 1
@@ -187,13 +202,15 @@ class Controller:
                     self.ledger.finished(report.group_id, report.version, report.num_samples, report.sample_versions)
                 else:
                     self.ledger.discarded(report.group_id, reason, report.num_samples)
+                if self.failures is not None:
+                    self.failures.record(report)  # over budget: raises, the run stops
                 await self._abort_surplus()
                 self._admit()  # a discard returned its credit; a finished group is news
                 self._reported.set()
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # surfaced by the training loop, never swallowed
-            self._failure = err
+            self._failure = self._failure or err  # the first one is the cause
             self._news.set()
             self._reported.set()
 
@@ -231,5 +248,7 @@ class Controller:
         self.ledger.abandon_open("run_end")
 
     def _raise_failure(self) -> None:
+        if isinstance(self._failure, RunStopped):  # its message is the whole story
+            raise self._failure
         if self._failure is not None:
             raise RuntimeError("a rollout failed") from self._failure

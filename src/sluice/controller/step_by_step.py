@@ -6,6 +6,8 @@ its coroutines on an event loop of its own, in a thread, so a user's loop can ca
 ``train`` (the trainer reads those groups from the queue itself and takes one optimizer step)
 and ``sync_weights`` (the engines load the newest version) in whatever order it likes. With a
 step's groups sent as one wave and trained in id order, this is exactly the ``sync`` schedule.
+Every reported group goes to the run's ``FailureBudget``, as in ``fit``: a reward or environment
+over ``run.failure_budget`` makes ``generate`` raise ``FailureBudgetExceeded`` (one line).
 
 Deliberately not here: admission control, staleness, checkpoints (``fit``'s controller owns
 them), choosing prompts or group ids (the caller does).
@@ -21,6 +23,7 @@ from typing import Any, TypeVar
 from sluice.api import GroupReport, PromptItem
 from sluice.config import SluiceConfig
 from sluice.config.data import EvalConfig
+from sluice.controller.failures import FailureBudget
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.training import place_pipeline
@@ -39,6 +42,7 @@ class StepByStep:
         self._thread.start()
         self.version = 0
         """The version of the trainer's weights (optimizer steps taken)."""
+        self.failures = FailureBudget(config.run.failure_budget, config.run.failure_window)
 
         async def place() -> LocalPipeline | RayPipeline:
             return place_pipeline(config, spec, prompts)
@@ -49,12 +53,16 @@ class StepByStep:
         return asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
     def generate(self, groups: Sequence[tuple[PromptItem, int]]) -> list[GroupReport]:
-        """Generate, score and store ``groups`` (prompt, group id) as one wave; every group's report."""
+        """Generate, score and store ``groups`` (prompt, group id) as one wave; every group's report.
+        Raises ``FailureBudgetExceeded`` when the wave puts a reward or environment over budget."""
 
         async def wave() -> list[GroupReport]:
             return [report async for report in self.pipeline.rollout_wave(list(groups))]
 
-        return self._call(wave())
+        reports = self._call(wave())
+        for report in reports:
+            self.failures.record(report)
+        return reports
 
     def train(self, group_ids: Sequence[int]) -> dict[str, float]:
         """One optimizer step over these stored groups, in this order (version v → v + 1)."""

@@ -17,6 +17,7 @@ import logging
 import time
 
 from sluice.config import SluiceConfig
+from sluice.controller.failures import FailureBudget, RunStopped
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
@@ -73,7 +74,8 @@ async def run_training(
         env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
         ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
         barrier = cfg.run.mode == "sync"
-        controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier)
+        failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
+        controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier, failures=failures)
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
@@ -89,7 +91,11 @@ async def run_training(
         if resumed is not None:  # restart the groups that were generating at the checkpoint
             resume_controller(controller, resumed)
         cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
-        await controller.run(cfg.run.steps, after_step)
+        try:
+            await controller.run(cfg.run.steps, after_step)
+        except RunStopped as stop:  # the books so far, then the one line propagates
+            run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stop))
+            raise
         run.loop_seconds = time.monotonic() - started
         run.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
         await _log_run_end(run, controller, pipeline, spec)

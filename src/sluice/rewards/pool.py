@@ -4,7 +4,9 @@ Each worker is a ``spawn`` or ``forkserver`` process (never ``fork``: the parent
 started torch's thread pools, and a forked copy of their locks can deadlock) that runs one call
 at a time and answers over a pipe. The event loop waits on the pipe's file descriptor, so a
 slow reward never blocks generation. A call that runs past its timeout, or whose caller is
-cancelled, gets its worker killed and replaced: a hung reward cannot keep a pool slot.
+cancelled, gets its worker killed and replaced: a hung reward cannot keep a pool slot. A worker
+found dead (killed from outside, or crashed by the reward: the pipe breaks or closes) is replaced
+too, and the call is retried once on the fresh worker; a second crash is the call's failure.
 
 This module moves calls and results; it does not judge them (``service.py`` classifies
 failures and counts them).
@@ -65,6 +67,10 @@ def _serve(conn: Connection) -> None:
             conn.send((False, detail))
 
 
+class _WorkerDied(Exception):
+    """A worker's process was found dead (its pipe broke or closed); the call may be retried."""
+
+
 @dataclass
 class _Worker:
     process: BaseProcess
@@ -93,24 +99,42 @@ class RewardPool:
         self._workers: list[_Worker] = []
         self.replaced = 0
         """Workers killed (timeout, cancellation) or found dead, and started anew."""
+        self.retried = 0
+        """Calls retried on a fresh worker because their first worker died."""
 
     async def call(self, fn: Callable[..., Any], response: str, fields: Mapping[str, Any], timeout: float) -> Any:
         """The reward's return value; ``TimeoutError`` past ``timeout`` s; ``RewardCallError``
-        when it raised or its worker died."""
+        when it raised, or when its worker died twice (a dead worker is replaced and the call
+        retried once on the new one)."""
+        try:
+            return await self._call_once(fn, response, fields, timeout)
+        except _WorkerDied:
+            self.retried += 1
+        try:
+            return await self._call_once(fn, response, fields, timeout)
+        except _WorkerDied as died:
+            raise RewardCallError("crashed", f"reward worker died twice: {died}") from died
+
+    async def _call_once(self, fn: Callable[..., Any], response: str, fields: Mapping[str, Any], timeout: float) -> Any:
+        """One attempt on an idle worker; ``_WorkerDied`` when its process is found dead."""
         idle = self._idle_workers()
         worker = await idle.get()
-        healthy = False
+        healthy = dead = False
         try:
-            await self._wait_started(worker)
-            worker.conn.send((fn, response, dict(fields)))
-            ok, value = await asyncio.wait_for(self._receive(worker.conn), timeout)
-            healthy = True
-        except EOFError as exc:
-            raise RewardCallError("crashed", f"reward worker exited with code {worker.process.exitcode}") from exc
+            dead = not worker.process.is_alive()  # died while idle (killed from outside)
+            if not dead:
+                await self._wait_started(worker)
+                worker.conn.send((fn, response, dict(fields)))
+                ok, value = await asyncio.wait_for(self._receive(worker.conn), timeout)
+                healthy = True
+        except (EOFError, ConnectionError):  # the pipe broke or closed: the process is gone
+            dead = True
         finally:
-            if not healthy:  # timed out, cancelled, crashed or unpicklable: never reuse it
-                worker = self._replace(worker)
+            if not healthy:  # timed out, cancelled, dead or unpicklable: never reuse it
+                old, worker = worker, self._replace(worker)
             idle.put_nowait(worker)
+        if dead:
+            raise _WorkerDied(f"reward worker exited with code {old.process.exitcode}")
         if not ok:
             raise RewardCallError("raised", value)
         return value

@@ -8,8 +8,10 @@ one then leaks its thread, but the call still times out).
 A call that raises, runs past ``timeout_s``, or returns something that is not a finite number
 raises ``RewardFailure`` whose ``reason`` (``reward_error:NAME``, ``reward_timeout:NAME``,
 ``reward_invalid:NAME``) becomes the discard reason of the sample's group; every failure is
-also counted here per function. The service does not decide what happens to the group: the
-rollout worker does (``rollout.filters.reward_failure``).
+also counted here per function. A pool worker that dies is replaced and its call retried once
+(``reward_worker_restarts``, ``reward_retries``); a second death is a ``reward_error``. The
+service does not decide what happens to the group (the rollout worker does:
+``rollout.filters.reward_failure``), nor when failures are too many (the controller's budget).
 """
 
 from __future__ import annotations
@@ -85,13 +87,22 @@ class RewardService:
     def _failed(self, kind: str, detail: str) -> RewardFailure:
         failure = RewardFailure(kind, self.__name__, detail)
         self.failures[failure.reason] += 1
-        log.warning("%s", failure)
+        if self.failures[failure.reason] == 1:  # the rest are counted (stats), not logged one by one
+            log.warning("%s (further %s failures are counted in metrics, not logged)", failure, failure.reason)
+        else:
+            log.debug("%s", failure)
         return failure
 
     def stats(self) -> dict[str, float]:
-        """``reward_calls``, ``reward_seconds`` and one ``reward_<kind>:<name>`` count per failure."""
+        """``reward_calls``, ``reward_seconds``, ``reward_worker_restarts`` (pool processes killed at
+        a timeout or found dead, and started anew), ``reward_retries`` (calls run again because
+        their worker died) and one ``reward_<kind>:<name>`` count per failure."""
         failures = {reason: float(n) for reason, n in self.failures.items()}
-        return {"reward_calls": float(sum(self.calls.values())), "reward_seconds": self.seconds, **failures}
+        pool = {
+            "reward_worker_restarts": float(self.pool.replaced if self.pool else 0),
+            "reward_retries": float(self.pool.retried if self.pool else 0),
+        }
+        return {"reward_calls": float(sum(self.calls.values())), "reward_seconds": self.seconds, **pool, **failures}
 
     def close(self) -> None:
         if self.pool is not None:

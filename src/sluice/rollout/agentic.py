@@ -103,7 +103,13 @@ def build_env_runner(
         run_seed=run_seed,
     )
     return EnvRunner(
-        episodes, queue, group_size=group_size, group_redundancy=spec.group_redundancy, mode=spec.mode, tracer=tracer
+        episodes,
+        queue,
+        group_size=group_size,
+        group_redundancy=spec.group_redundancy,
+        mode=spec.mode,
+        tracer=tracer,
+        name=spec.env,
     )
 
 

@@ -15,7 +15,9 @@ Each admitted group runs ``group_size + group_redundancy`` episodes, each its ow
   it aborts through ``abort_groups``;
 - **failures**: an env that raises or exceeds its timeout fails its episode
   (``episodes_env_error`` / ``episodes_env_timeout``); a group that can no longer reach
-  ``group_size`` is discarded (``env_failure``, its rows cleared, its credit returned).
+  ``group_size`` is discarded (``env_failure``, its rows cleared, its credit returned); its report
+  names the environment and the last env error (``failed_by``, ``error``) when an env call failed
+  it (an episode aborted by the engine is not the env's failure).
 
 It decides no admission, quota or version (the controller does) and knows no env internals.
 """
@@ -35,6 +37,8 @@ from sluice.rollout.group_tasks import GroupTasks
 from sluice.telemetry.trace import SpanRecorder
 
 ENV_FAILURE = "env_failure"
+ENV_FAULTS = ("env_error", "env_timeout")
+"""Episode failures that are the environment's (the run's failure budget counts its groups)."""
 
 
 class EnvRunner:
@@ -50,6 +54,7 @@ class EnvRunner:
         group_redundancy: int = 0,
         mode: str = "async",
         tracer: SpanRecorder | None = None,
+        name: str = "env",
     ) -> None:
         if mode not in ("async", "barrier"):
             raise ValueError(f"unknown env rollout mode {mode!r}; expected 'async' or 'barrier'")
@@ -58,6 +63,8 @@ class EnvRunner:
         self.group_size = group_size
         self.group_redundancy = group_redundancy
         self.mode = mode
+        self.name = name
+        """The environment's name in a failed group's report (``agentic.env``)."""
         self.tracer = tracer or SpanRecorder("rollout", enabled=False)
         self.counts: Counter[str] = Counter()
         self._groups = GroupTasks()
@@ -93,6 +100,7 @@ class EnvRunner:
         self.counts["episodes_started"] += total
         kept: list[Sample] = []
         failed = 0
+        env_error = ""
         try:
             with self.tracer.span("episodes", lane=f"group{group_id % 8}", group=group_id):
                 for next_done in asyncio.as_completed(tasks):
@@ -101,6 +109,8 @@ class EnvRunner:
                     except EpisodeFailed as failure:
                         self.counts[f"episodes_{failure.reason}"] += 1
                         failed += 1
+                        if failure.reason in ENV_FAULTS:
+                            env_error = str(failure)
                         if total - failed < self.group_size:
                             break
                         continue
@@ -117,7 +127,10 @@ class EnvRunner:
         if len(kept) < self.group_size:
             self.counts["episodes_group_failed"] += len(kept)
             await self._clear(group_id, len(kept))
-            return self._report(group_id, kept, ENV_FAILURE)
+            report = self._report(group_id, kept, ENV_FAILURE)
+            if env_error:
+                report = replace(report, failed_by=f"environment {self.name!r}", error=env_error)
+            return report
         self.counts["episodes_kept"] += len(kept)
         return self._report(group_id, kept, None)
 

@@ -26,4 +26,10 @@ def reward_failure(samples: Sequence[Sample]) -> str | None:
     return next((s.meta["reward_failure"] for s in samples if "reward_failure" in s.meta), None)
 
 
+def reward_failure_cause(samples: Sequence[Sample]) -> tuple[str, str] | None:
+    """The first failed reward call of a group: (``reward 'NAME'``, its error text); ``None``
+    when every reward returned a number."""
+    return next((s.meta["reward_failure_cause"] for s in samples if "reward_failure_cause" in s.meta), None)
+
+
 FILTERS: dict[str, GroupFilter | None] = {"none": None, "zero_signal": zero_signal}

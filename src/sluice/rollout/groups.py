@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from sluice.api import AsyncQueueClient, GroupReport, InferenceEngine, PromptItem, RewardFn, RowMeta, Sample
 from sluice.queue.samples import samples_to_rows
-from sluice.rollout.filters import GroupFilter, reward_failure
+from sluice.rollout.filters import GroupFilter, reward_failure, reward_failure_cause
 from sluice.rollout.group_tasks import GroupTasks
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
@@ -151,6 +151,7 @@ class GroupRunner:
 
     async def _store(self, group_id: int, samples: list[Sample]) -> GroupReport:
         reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)
+        failed_by, error = reward_failure_cause(samples) or (None, "")
         if reason is None:
             indices, columns, meta = samples_to_rows(samples, self.workflow.group_size)
             with self.tracer.span("queue_put", lane="queue", group=group_id):
@@ -164,4 +165,6 @@ class GroupRunner:
             discard_reason=reason,
             finished_at=time.time(),
             sample_versions=tuple(s.version for s in samples),
+            failed_by=failed_by,
+            error=error,
         )

@@ -111,6 +111,7 @@ class SingleTurnWorkflow:
         meta: dict[str, Any] = {"prompt_index": item.index, "finish_reason": c.finish_reason}
         if isinstance(score, RewardFailure):
             meta["reward_failure"] = score.reason
+            meta["reward_failure_cause"] = (f"reward {score.name!r}", score.detail)
         return Sample(
             uid=f"{group_id}-{k}",
             group_id=group_id,
