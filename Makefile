@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: run test test-scale lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
+.PHONY: run test test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
 
 venv: $(STAMP)
 
@@ -29,12 +29,16 @@ run: $(STAMP)
 	$(BIN)/sluice train $(ARGS)
 
 test: $(STAMP) sandbox-deps lint typecheck
-	$(BIN)/pytest tests -m "not scale" --durations=15
+	$(BIN)/pytest tests -m "not scale and not faults" --durations=15
 
 # Trainer strategies over several processes (DDP / FSDP2 ranks, sharded checkpoints) and the GPU
 # check's CPU run: minutes of spawned ranks, so apart from `make test`; .ci/run calls both.
 test-scale: $(STAMP)
-	$(BIN)/pytest tests -m scale --durations=10
+	$(BIN)/pytest tests -m "scale and not faults" --durations=10
+
+# Faults in real runs (docs/reliability.md): killed and stopped workers, reward workers, drivers.
+test-faults: $(STAMP)
+	$(BIN)/pytest tests -m faults --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -27,7 +27,8 @@ from typing import Protocol
 
 from sluice.api import GroupReport, PromptItem
 from sluice.controller.failures import FailureBudget, RunStopped
-from sluice.controller.ledger import GroupLedger
+from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.supervision import WorkerLost
 
 
 class Pipeline(Protocol):
@@ -167,6 +168,10 @@ class Controller:
             self._rollouts.add(task)
             task.add_done_callback(self._rollouts.discard)
 
+    def progress(self) -> tuple[int, int]:
+        """(policy version, groups reported): changes whenever the loop moves."""
+        return self.version, len(self.reports)
+
     @property
     def next_group(self) -> int:
         return self._next_group
@@ -209,10 +214,32 @@ class Controller:
                 self._reported.set()
         except asyncio.CancelledError:
             raise
+        except WorkerLost as lost:  # its worker was replaced: the unreported groups start again
+            await self._regenerate(lost)
         except BaseException as err:  # surfaced by the training loop, never swallowed
-            self._failure = self._failure or err  # the first one is the cause
-            self._news.set()
-            self._reported.set()
+            self._fail(err)
+
+    async def _regenerate(self, lost: WorkerLost) -> None:
+        """Once the replacement holds the current weights, restart ``lost``'s groups with their ids
+        and prompts (counted ``regenerated_<worker>_lost``; groups aborted before the loss stay
+        discarded)."""
+        try:
+            await lost.recover()
+        except BaseException as err:  # surfaced by the training loop, never swallowed
+            self._fail(err)
+            return
+        again = []
+        for gid in lost.groups:
+            item = self._generating.pop(gid, None)
+            if item is not None and self.ledger.groups[gid].state is not GroupState.DISCARDED:
+                again.append((item, gid))
+        self.ledger.regenerated[f"{lost.worker.replace(' ', '_')}_lost"] += len(again)
+        self._start_wave(again)
+
+    def _fail(self, err: BaseException) -> None:
+        self._failure = self._failure or err  # the first one is the cause
+        self._news.set()
+        self._reported.set()
 
     async def _abort_surplus(self) -> None:
         """Redundant prompts: once the quota is met, stop the groups still generating."""

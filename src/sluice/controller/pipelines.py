@@ -23,6 +23,8 @@ from sluice.api import GroupReport, PromptItem, RewardFn, SamplingParams, Weight
 from sluice.config import SluiceConfig
 from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
+from sluice.controller.failures import RunStopped
+from sluice.controller.supervision import Heartbeat
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.planner import compile_dag
 from sluice.dag.run_dag import DagPlacement, place_dag
@@ -99,6 +101,15 @@ class _Pipeline:
 
     async def queue_restore(self, state: dict[str, Any]) -> None:
         await asyncio.to_thread(self.queue.restore, state)
+
+    def heartbeats(self) -> list[Heartbeat]:
+        """Workers in other processes to supervise (none when every worker runs in this one)."""
+        return []
+
+    def explain(self, err: BaseException) -> RunStopped | None:
+        """The one line for a worker's death in ``err`` (``None``: not one; in-process workers do
+        not die on their own)."""
+        return None
 
 
 class LocalPipeline(_Pipeline):

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from sluice.api import GroupReport, PromptItem
 from sluice.config.data import EvalConfig
+from sluice.controller.failures import RunStopped
 from sluice.controller.pipelines import (
     PipelineSpec,
     _Pipeline,
@@ -25,6 +28,7 @@ from sluice.controller.pipelines import (
     wait_engine_version,
     weight_syncs,
 )
+from sluice.controller.supervision import Heartbeat, WorkerDied, WorkerLost
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
@@ -55,10 +59,14 @@ class RayPipeline(_Pipeline):
         share = actor_cpu_share(ray.cluster_resources().get("CPU", 1.0), spec)
         rollout_gpus, trainer_gpus = gpu_share(ray.cluster_resources().get("GPU", 0.0), spec.data_parallel)
         rollout_options = _actor_options(spec.rollout_threads, over, share, rollout_gpus)
-        rollout_cls: Any = ray.remote(RolloutWorker).options(**rollout_options)
+        # replaceable: Ray restarts it (a fresh worker at version 0), the pipeline re-syncs it
+        rollout_options.update(max_restarts=ROLLOUT_RESTARTS, max_task_retries=0)
+        rollout_cls: Any = _supervised(RolloutWorker).options(**rollout_options)
         self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async()))
+        self.rollout_restarts = 0
+        self._recovering = asyncio.Lock()
         trainer_options = _actor_options(spec.trainer_threads, over, share, trainer_gpus)
-        trainer_cls: Any = ray.remote(TrainerWorker).options(**trainer_options)
+        trainer_cls: Any = _supervised(TrainerWorker).options(**trainer_options)
         self.critic_sync = None  # held here: the registry actor lives as long as this handle
         if spec.critic is not None:
             from sluice.weights import ObjectStoreWeightSync
@@ -76,23 +84,55 @@ class RayPipeline(_Pipeline):
         self._rank_tokens: list[int] = []
         self._step_groups = 0
         """Groups handed to the ranks this step: the next group's position in the step."""
-        node_cls: Any = ray.remote(NodeTaskWorker).options(**_actor_options(1, True, share))
+        node_cls: Any = _supervised(NodeTaskWorker).options(**_actor_options(1, True, share))
         node_kwargs = node_worker_kwargs(spec, self.critic_sync)
         self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in placement(spec).node_workers]
         self._served: list[Any] = [actor.serve.remote() for actor in self.node_actors]
         """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
+        """The rollout worker's reports; if it dies, ``WorkerLost`` with the groups it did not report."""
+        from ray.exceptions import RayActorError
+
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
         prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
-        async for ref in stream:
-            report: GroupReport = await ref
-            # a group's training cost in the packed layout: its prompt once, then every response
-            self._group_tokens[report.group_id] = prompt_tokens[report.group_id] + report.response_tokens
-            yield report
+        try:
+            async for ref in stream:
+                report: GroupReport = await ref
+                # a group's training cost in the packed layout: its prompt once, then every response
+                self._group_tokens[report.group_id] = prompt_tokens[report.group_id] + report.response_tokens
+                prompt_tokens.pop(report.group_id)
+                yield report
+        except RayActorError:
+            raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
+
+    async def recover_rollout(self) -> None:
+        """Once Ray has restarted the rollout worker, bring it to the engines' current version
+        (every wave and call that saw the death awaits the same recovery)."""
+        async with self._recovering:
+            actor = self.rollout_actor
+            stats = await _when_alive(actor.engine_stats.remote, self.spec.config.run.stall_timeout_s)
+            if int(stats["version"]) == self.engine_version:
+                return  # recovered already
+            if self.spec.config.fleet.weight_transfer == "broadcast":  # its process group died with it
+                raise WorkerDied("rollout worker", "fleet.weight_transfer=broadcast cannot re-sync a replacement")
+            self.rollout_restarts += 1
+            mode = self.spec.config.rollout.weight_update
+            await actor.load_version.remote(self.engine_weight_sync, self.engine_version, mode)
+            await wait_engine_version(actor.engine_stats.remote, self.engine_version)
+
+    async def _on_rollout(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` on the rollout worker; if it died meanwhile, once more on its replacement."""
+        from ray.exceptions import RayActorError
+
+        try:
+            return await call()
+        except RayActorError:
+            await self.recover_rollout()
+            return await call()
 
     async def abort_groups(self, group_ids: list[int], reason: str) -> None:
-        await self.rollout_actor.abort_groups.remote(group_ids, reason)
+        await self._on_rollout(lambda: self.rollout_actor.abort_groups.remote(group_ids, reason))
 
     async def begin_step(self) -> None:
         self._rank_tokens = [0 for _ in self.trainer_actors]
@@ -140,20 +180,20 @@ class RayPipeline(_Pipeline):
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         sync, mode = self.engine_weight_sync, self.spec.config.rollout.weight_update
-        metrics = await self.rollout_actor.load_version.remote(sync, version, mode)
+        metrics = await self._on_rollout(lambda: self.rollout_actor.load_version.remote(sync, version, mode))
         await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
-        return await self.rollout_actor.evaluate.remote(list(items), max_new_tokens, config)
+        return await self._on_rollout(lambda: self.rollout_actor.evaluate.remote(list(items), max_new_tokens, config))
 
     async def engine_stats(self) -> dict[str, float]:
-        return await self.rollout_actor.engine_stats.remote()
+        return await self._on_rollout(self.rollout_actor.engine_stats.remote)
 
     async def trace_events(self) -> list[dict[str, Any]]:
-        actors = [self.rollout_actor, *self.trainer_actors]
-        parts = await asyncio.gather(*(a.drain_trace.remote() for a in actors))
+        rollout = self._on_rollout(self.rollout_actor.drain_trace.remote)  # a replaced worker's spans are lost
+        parts = await asyncio.gather(rollout, *(a.drain_trace.remote() for a in self.trainer_actors))
         return [e for part in parts for e in part]
 
     async def save(self, path: str) -> None:
@@ -176,24 +216,117 @@ class RayPipeline(_Pipeline):
         """((trainer version, checksum), (engine version, checksum)), each from its own actor; every
         data-parallel rank must hold rank 0's weights."""
         engine, *ranks = await asyncio.gather(
-            self.rollout_actor.weights_fingerprint.remote(),
+            self._on_rollout(self.rollout_actor.weights_fingerprint.remote),
             *(a.weights_fingerprint.remote() for a in self.trainer_actors),
         )
         if any(r != ranks[0] for r in ranks):
             raise RuntimeError(f"data-parallel trainer ranks diverged: (version, checksum) per rank {ranks}")
         return ranks[0], engine
 
+    def heartbeats(self) -> list[Heartbeat]:
+        """Every worker actor, pinged in its ``health`` concurrency group (answered even while it
+        trains or generates); the rollout worker is replaceable."""
+        from ray.exceptions import ActorDiedError
+
+        def dead(err: BaseException) -> str | None:
+            return _first_line(err) if isinstance(err, ActorDiedError) else None
+
+        def ping(actor: Any) -> Callable[[], Awaitable[object]]:
+            return lambda: actor.heartbeat.options(concurrency_group=HEALTH).remote()
+
+        async def replace_rollout() -> None:
+            import ray
+
+            ray.kill(self.rollout_actor, no_restart=False)  # Ray restarts it; its waves raise WorkerLost
+
+        beats = [Heartbeat("rollout worker", ping(self.rollout_actor), dead, replace_rollout)]
+        for rank, actor in enumerate(self.trainer_actors):
+            beats.append(Heartbeat(f"trainer (rank {rank})" if rank or self.spec.data_parallel > 1 else "trainer",
+                                   ping(actor), dead))  # fmt: skip
+        for node, actor in zip(placement(self.spec).node_workers, self.node_actors, strict=True):
+            beats.append(Heartbeat(f"'{node.id}' task worker", ping(actor), dead))
+        return beats
+
+    def explain(self, err: BaseException) -> RunStopped | None:
+        """The one line for an actor's death found in ``err``'s causes (``None``: not one)."""
+        from ray.exceptions import RayActorError
+
+        while err is not None and not isinstance(err, RayActorError):
+            err = err.__cause__ or err.__context__  # type: ignore[assignment]
+        if err is None:
+            return None
+        found = re.search(r"class_name: (\w+)", str(err))
+        worker = ACTOR_ROLES.get(found.group(1), found.group(1)) if found else "a worker process"
+        return WorkerDied(worker, _first_line(err))
+
     def close(self) -> None:
         import ray
+
+        from sluice.weights import ObjectStoreWeightSync
 
         for handle in (self.rollout_actor, *self.trainer_actors, *self.node_actors):
             if handle is not None:
                 ray.kill(handle)
         self.queue.shutdown()
+        for sync in (self.weight_sync, self.critic_sync):  # their registry actors, and the weights
+            if isinstance(sync, ObjectStoreWeightSync):
+                sync.shutdown()
 
 
 async def _awaited(ref: Any) -> Any:
     return await ref
+
+
+ROLLOUT_RESTARTS = 3
+"""How many times Ray restarts a dead rollout worker before its death stops the run."""
+HEALTH = "health"
+"""The concurrency group of every worker actor's ``heartbeat``."""
+ACTOR_ROLES = {
+    "RolloutWorker": "rollout worker",
+    "TrainerWorker": "trainer",
+    "NodeTaskWorker": "queue-task worker",
+    "StorageActor": "queue storage unit",
+    "ControllerActor": "queue controller",
+    "_Registry": "weight registry",
+}
+"""What a dead actor's class is, in the one line that stops the run."""
+T = TypeVar("T")
+
+
+def _supervised(cls: type) -> Any:
+    """``cls`` as a Ray actor class with a ``heartbeat`` (its pid) for ``Watchdog``, answered in a
+    concurrency group of its own (beside the work); the worker classes stay Ray-free."""
+    import ray
+
+    def heartbeat(self: object) -> int:
+        return os.getpid()
+
+    with_heartbeat = type(cls.__name__, (cls,), {"heartbeat": heartbeat, "__module__": cls.__module__})
+    return ray.remote(concurrency_groups={HEALTH: 1})(with_heartbeat)  # type: ignore[call-overload]
+
+
+async def _when_alive(call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """``call()``'s answer once the actor answers: while Ray restarts it, calls fail fast."""
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await call()
+        except RayActorError:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.2)
+
+
+def _first_line(err: BaseException) -> str:
+    """An actor error in a few words: its pid and why it died (Ray's message is a page)."""
+    text = str(err)
+    pid, why = re.search(r"\bpid: (\d+)", text), re.search(r"The actor is dead because ([^.]*)", text)
+    if pid or why:
+        return ", ".join(part for part in (pid and f"pid {pid.group(1)}", why and why.group(1)) if part)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:

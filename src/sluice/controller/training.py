@@ -25,6 +25,7 @@ from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.resume import DriverState, restore_checkpoint, resume_controller, save_checkpoint
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.staleness import StalenessGate
+from sluice.controller.supervision import Watchdog, supervised
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
 from sluice.telemetry.cpu import CpuMeter
@@ -76,26 +77,35 @@ async def run_training(
         barrier = cfg.run.mode == "sync"
         failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
         controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier, failures=failures)
+        # a silent worker, or a loop that stops moving, ends the run (controller/supervision.py)
+        watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress)
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
             if run.eval_due(version):
-                await _evaluate(run, pipeline, version)
+                with watchdog.paused():
+                    await _evaluate(run, pipeline, version)
             keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
             if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
                 run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))
             if run.checkpoint_due(version):
-                await save_checkpoint(run, controller, pipeline, version)
+                with watchdog.paused():
+                    await save_checkpoint(run, controller, pipeline, version)
             return keep_going
 
         if resumed is not None:  # restart the groups that were generating at the checkpoint
             resume_controller(controller, resumed)
         cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
         try:
-            await controller.run(cfg.run.steps, after_step)
-        except RunStopped as stop:  # the books so far, then the one line propagates
+            await supervised(controller.run(cfg.run.steps, after_step), watchdog)
+        except Exception as err:  # a stop (or a worker's death): the books so far, then its one line
+            stop = err if isinstance(err, RunStopped) else pipeline.explain(err)
+            if stop is None:
+                raise
             run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stop))
-            raise
+            if stop is err:
+                raise
+            raise stop from err
         run.loop_seconds = time.monotonic() - started
         run.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
         await _log_run_end(run, controller, pipeline, spec)

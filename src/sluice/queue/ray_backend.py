@@ -219,13 +219,17 @@ class RayQueue:
         ray.get([h.close.remote() for h in tasks.values()])
 
     def shutdown(self) -> None:
-        """Kill the queue's actors (controllers first); the data is gone."""
-        controllers = list(ray.get(self.units[0].controllers.remote()).values())
-        ray.get([h.close_transport.remote() for h in controllers] + [u.close_transport.remote() for u in self.units])
-        for handle in controllers:
+        """Kill the queue's actors (controllers first); the data is gone. Works on a queue one of
+        whose actors died (the run's error names it): the dead are skipped, the others killed
+        (controllers die with the unit that created them)."""
+        try:
+            controllers = list(ray.get(self.units[0].controllers.remote()).values())
+        except ray.exceptions.RayActorError:
+            controllers = []
+        closing = [h.close_transport.remote() for h in controllers] + [u.close_transport.remote() for u in self.units]
+        ray.wait(closing, num_returns=len(closing), timeout=10.0)  # a dead one's error is not this call's
+        for handle in [*controllers, *self.units]:
             ray.kill(handle)
-        for unit in self.units:
-            ray.kill(unit)
 
     def _local(self, unit: int) -> bool:
         """Whether unit ``unit`` shares this process's node (then: shared memory and direct calls)."""

@@ -21,6 +21,7 @@ broadcast).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -121,10 +122,11 @@ class ObjectStoreWeightSync:
         return max(ray.get(self._handle().versions.remote()), default=NO_VERSION)
 
     def shutdown(self) -> None:
-        """Kill the registry actor (drops every held version)."""
+        """Kill the registry actor (drops every held version); nothing to do if it is gone."""
         import ray
 
-        ray.kill(self._handle())
+        with contextlib.suppress(ValueError):  # no actor of that name left (it died: the run's error says so)
+            ray.kill(self._handle())
         self._registry = None
 
     def _handle(self) -> Any:

@@ -1,0 +1,167 @@
+"""Supervision of a run's workers: heartbeats, the loop watchdog, and what a lost worker means.
+
+``Watchdog.watch`` runs beside the training loop (``supervised``). It asks every supervised
+worker for a heartbeat (a Ray actor answers in a concurrency group of its own, so a long train
+step does not delay the answer) and reads the loop's progress; a worker that has not answered,
+or a loop that has not moved, for ``run.stall_timeout_s`` stops the run with ``WorkerStalled``:
+one line naming it. A replaceable worker (the rollout worker) that stalls is killed instead, so
+Ray restarts it and the loop regenerates its groups. A worker whose heartbeat finds it dead and
+that cannot be replaced (a trainer rank, a queue-task worker) stops the run with ``WorkerDied``.
+
+``WorkerLost`` is what a pipeline raises when a replaceable worker died under a wave of groups:
+the loop awaits its ``recover`` (the replacement holds the current weights) and starts the
+wave's unreported groups again, counted as regenerated.
+
+Not here: restarting actors (Ray's ``max_restarts``), re-syncing weights (the pipeline) or
+regenerating groups (``controller/loop.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from sluice.controller.failures import RunStopped
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+RESUME_HINT = "resume=auto continues this run from its last checkpoint"
+
+
+class WorkerDied(RunStopped):
+    """A worker that cannot be replaced died: the run stops (one line: which, why, how to go on)."""
+
+    def __init__(self, worker: str, detail: str) -> None:
+        super().__init__(f"the {worker} died ({detail}); {RESUME_HINT}")
+        self.worker = worker
+
+
+class WorkerStalled(RunStopped):
+    """A worker sent no heartbeat, or the loop made no progress, for ``run.stall_timeout_s``."""
+
+    def __init__(self, worker: str, seconds: float, what: str) -> None:
+        super().__init__(f"the {worker} {what} for {seconds:.0f} s (stopped or hung); {RESUME_HINT}")
+        self.worker = worker
+
+
+class WorkerLost(Exception):
+    """A replaceable worker died under a wave: ``groups`` (ids) were not reported; ``recover``
+    waits for its replacement to hold the current weights."""
+
+    def __init__(self, worker: str, groups: Sequence[int], recover: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(f"the {worker} died with {len(groups)} groups unreported")
+        self.worker = worker
+        self.groups = list(groups)
+        self.recover = recover
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One supervised worker: ``ping`` answers while it lives; ``dead`` tells a ping's error that
+    means it died (``None``: any other error is a transient one); ``replace`` (a replaceable
+    worker) kills it so that it is restarted, instead of stopping the run."""
+
+    worker: str
+    ping: Callable[[], Awaitable[object]]
+    dead: Callable[[BaseException], str | None]
+    replace: Callable[[], Awaitable[None]] | None = None
+
+
+class Watchdog:
+    """Stops the run when a worker or the loop goes silent for ``timeout_s`` (see the module)."""
+
+    def __init__(self, timeout_s: float, beats: Sequence[Heartbeat], progress: Callable[[], Hashable]) -> None:
+        self.timeout_s = timeout_s
+        self.beats = list(beats)
+        self.progress = progress
+        self.interval_s = min(5.0, timeout_s / 4)
+        self.replaced: dict[str, int] = {}
+        """Stalled replaceable workers killed, by worker."""
+        self._heard: dict[str, float] = {}
+        self._failure: RunStopped | None = None
+        self._paused = 0
+        self._moved = 0.0
+        """When the loop last moved (or was paused, or a worker was replaced)."""
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The loop is busy on purpose (an evaluation, a checkpoint): its progress is not judged."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    async def watch(self) -> None:
+        """Runs until it raises ``WorkerStalled`` / ``WorkerDied`` (cancel it when the loop ends)."""
+        now = time.monotonic()
+        self._heard = {beat.worker: now for beat in self.beats}
+        pingers = [asyncio.create_task(self._listen(beat)) for beat in self.beats]
+        self._moved, seen = now, self.progress()
+        try:
+            while self._failure is None:
+                await asyncio.sleep(self.interval_s)
+                now = time.monotonic()
+                current = self.progress()
+                if self._paused or current != seen:
+                    self._moved, seen = now, current
+                for beat in self.beats:
+                    if now - self._heard[beat.worker] > self.timeout_s:
+                        await self._silent(beat, now)
+                # every worker answers, yet nothing moves: the loop itself hangs (a silent worker
+                # gets its own verdict, naming it)
+                answering = all(now - heard <= 2 * self.interval_s for heard in self._heard.values())
+                if self._failure is None and answering and now - self._moved > self.timeout_s:
+                    self._failure = WorkerStalled("training loop", now - self._moved, "made no progress")
+            raise self._failure
+        finally:
+            for task in pingers:
+                task.cancel()
+
+    async def _listen(self, beat: Heartbeat) -> None:
+        """Ping ``beat`` every interval; a dead, irreplaceable worker stops the run at once."""
+        while True:
+            try:
+                await beat.ping()
+                self._heard[beat.worker] = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # deliberate: a ping's error is judged, not propagated
+                detail = beat.dead(err)
+                if detail is not None and beat.replace is None:
+                    self._failure = WorkerDied(beat.worker, detail)
+                    return
+            await asyncio.sleep(self.interval_s)
+
+    async def _silent(self, beat: Heartbeat, now: float) -> None:
+        silent = now - self._heard[beat.worker]
+        if beat.replace is None:
+            self._failure = WorkerStalled(beat.worker, silent, "sent no heartbeat")
+            return
+        log.warning("the %s sent no heartbeat for %.0f s: killed, to be replaced", beat.worker, silent)
+        self.replaced[beat.worker] = self.replaced.get(beat.worker, 0) + 1
+        self._heard[beat.worker] = self._moved = now  # its replacement gets a whole timeout to start
+        await beat.replace()
+
+
+async def supervised(work: Awaitable[T], watchdog: Watchdog | None) -> T:
+    """``await work``, unless ``watchdog`` stops the run first (then ``work`` is cancelled)."""
+    if watchdog is None:
+        return await work
+    running = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(watchdog.watch())
+    try:
+        await asyncio.wait([running, watching], return_when=asyncio.FIRST_COMPLETED)
+        if watching.done() and not running.done():
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            watching.result()  # raises the stop
+        return await running
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)

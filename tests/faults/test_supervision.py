@@ -1,0 +1,136 @@
+"""Worker faults in a real Ray run (tiny model): SIGKILL or SIGSTOP of one actor mid-run.
+
+A killed or stopped rollout worker is replaced and re-synced, its unreported groups regenerated
+(counted), and the run finishes training every admitted sample exactly once. A killed or stopped
+trainer, queue storage unit or queue controller, or a killed weight registry, ends the run within
+the stall timeout with one line naming it; ``resume=auto`` then finishes the run, again
+training every admitted sample exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_resume import _records, _steps_logged, _wait_for, trained_ids
+
+from fakes import length_reward
+from sluice import RLTrainer
+from sluice.config import load_config
+from sluice.controller.failures import RunStopped
+from tiny import tiny_run_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+STEPS = 5
+GROUPS, SAMPLES = 4, 4
+
+
+def _overrides(model_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
+    run = [*tiny_run_overrides(model_dir, out, name), "rollout.max_new_tokens=12", "reward.pool_size=0"]
+    run += ["task.eval_prompts=4", "run.eval_every=0", f"run.steps={STEPS}", "run.backend=ray", "run.mode=async"]
+    return [*run, "rollout.max_staleness=1", "run.checkpoint_every=1", "run.stall_timeout_s=15", *extra]
+
+
+def _actor_pids(title: str, parent_title: str | None = None) -> list[int]:
+    """This test's processes (descendants of pytest: its local Ray instance's workers) whose
+    command line (Ray sets ``ray::<Class>[.method]``) starts with ``title`` (and whose parent's
+    holds ``parent_title``)."""
+    parents, titles = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                titles[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def mine(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    def under(pid: int) -> bool:
+        return parent_title is None or parent_title in titles.get(parents.get(pid, 0), "")
+
+    return [pid for pid, name in titles.items() if name.startswith(title) and mine(pid) and under(pid)]
+
+
+def _fault_after_step(
+    run_dir: Path, title: str, sig: signal.Signals, step: int = 2, parent_title: str | None = None
+) -> threading.Thread:
+    """In the background: once ``step`` is trained, send ``sig`` to the actor titled ``title``."""
+
+    def act() -> None:
+        _wait_for(lambda: _steps_logged(run_dir) >= step, f"step {step}", timeout=600)
+        pids = _actor_pids(title, parent_title)
+        assert len(pids) == 1, f"{title}: {pids}"
+        os.kill(pids[0], sig)
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_each_sample_once(run_dir: Path) -> None:
+    ids, steps = trained_ids(run_dir)
+    assert steps == list(range(1, STEPS + 1))
+    assert len(ids) == STEPS * GROUPS * SAMPLES and set(ids.values()) == {1}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_lost_rollout_worker_is_replaced_and_the_run_finishes(tiny_task_model, tmp_path, ray_cluster, sig):
+    cfg = load_config(None, _overrides(tiny_task_model, tmp_path, "rollout"))
+    fault = _fault_after_step(tmp_path / "rollout", "ray::RolloutWorker", sig)
+    result = RLTrainer(cfg, reward=length_reward).fit()
+    fault.join()
+    _assert_each_sample_once(result.run_dir)
+    fates = next(r for r in _records(result.run_dir) if r["kind"] == "fates")
+    assert fates.get("regenerated_rollout_worker_lost", 0) >= 1, fates  # its groups in flight came back
+
+
+def test_a_killed_reward_worker_is_replaced_and_the_run_finishes(tiny_task_model, tmp_path, ray_cluster):
+    """``reward.pool_size=1``: the reward's process (a forkserver child under the rollout worker)
+    is SIGKILLed mid-run; the pool replaces it and retries the call, the run loses nothing."""
+    cfg = load_config(None, [*_overrides(tiny_task_model, tmp_path, "reward"), "reward.pool_size=1"])
+    forkserver = "from multiprocessing.forkserver import main"
+    fault = _fault_after_step(tmp_path / "reward", "", signal.SIGKILL, parent_title=forkserver)
+    result = RLTrainer(cfg, reward=length_reward).fit()
+    fault.join()
+    _assert_each_sample_once(result.run_dir)
+    restarts = [r.get("reward_worker_restarts", 0) for r in _records(result.run_dir)]
+    assert max(restarts) >= 1, "the killed reward worker was not replaced"
+
+
+@pytest.mark.parametrize(
+    ("title", "sig", "worker"),
+    [
+        ("ray::TrainerWorker", signal.SIGKILL, "the trainer died"),
+        ("ray::TrainerWorker", signal.SIGSTOP, "the trainer sent no heartbeat"),
+        ("ray::StorageActor", signal.SIGKILL, "the queue storage unit died"),
+        ("ray::ControllerActor", signal.SIGKILL, "the queue controller died"),
+        ("ray::_Registry", signal.SIGKILL, "the weight registry died"),
+    ],
+    ids=["trainer-SIGKILL", "trainer-SIGSTOP", "storage-SIGKILL", "controller-SIGKILL", "registry-SIGKILL"],
+)
+def test_a_lost_trainer_or_queue_stops_the_run_with_one_line_and_resume_finishes_it(
+    tiny_task_model, tmp_path, ray_cluster, title, sig, worker
+):
+    overrides = _overrides(tiny_task_model, tmp_path, "stopped")
+    fault = _fault_after_step(tmp_path / "stopped", title, sig)
+    started = time.monotonic()
+    with pytest.raises(RunStopped) as stop:
+        RLTrainer(load_config(None, overrides), reward=length_reward).fit()
+    fault.join()
+    assert worker in str(stop.value) and "resume=auto" in str(stop.value) and "\n" not in str(stop.value)
+    assert time.monotonic() - started < 300
+    resumed = RLTrainer(load_config(None, [*overrides, "run.resume=auto"]), reward=length_reward).fit()
+    _assert_each_sample_once(resumed.run_dir)
+    assert Counter(_actor_pids(title)) == Counter(), "the stopped actor outlived its run"
