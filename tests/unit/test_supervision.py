@@ -1,0 +1,109 @@
+"""The watchdog without Ray: a silent worker stops the run naming it, a silent replaceable one is
+replaced, a dead one stops it at once, a loop that stops moving stops it (unless paused or a
+worker is silent), and ``supervised`` cancels the loop it stops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sluice.controller.supervision import Heartbeat, Watchdog, WorkerDied, WorkerStalled, supervised
+
+TIMEOUT = 0.4
+
+
+class Worker:
+    """A pingable fake: answers, hangs (a stopped process) or raises (a dead one)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = "alive"
+        self.replaced = 0
+
+    async def ping(self) -> int:
+        if self.state == "dead":
+            raise ConnectionError(f"{self.name} is gone")
+        while self.state == "stopped":
+            await asyncio.sleep(0.01)
+        return 1
+
+    async def replace(self) -> None:
+        self.replaced += 1
+        self.state = "alive"
+
+    def beat(self, replaceable: bool = False) -> Heartbeat:
+        def dead(err: BaseException) -> str | None:
+            return str(err) if isinstance(err, ConnectionError) else None
+
+        return Heartbeat(self.name, self.ping, dead, self.replace if replaceable else None)
+
+
+async def _loop(moves: list[int], seconds: float) -> str:
+    """A loop that moves every 50 ms for ``seconds``."""
+    for _ in range(int(seconds / 0.05)):
+        moves[0] += 1
+        await asyncio.sleep(0.05)
+    return "done"
+
+
+def test_a_loop_that_finishes_with_answering_workers_is_left_alone():
+    moves, worker = [0], Worker("trainer")
+    watchdog = Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])
+    assert asyncio.run(supervised(_loop(moves, 1.0), watchdog)) == "done"
+
+
+def test_a_stopped_worker_stops_the_run_naming_it():
+    moves, worker = [0], Worker("trainer")
+    worker.state = "stopped"
+    with pytest.raises(WorkerStalled, match=r"^the trainer sent no heartbeat for \d+ s .*resume=auto"):
+        asyncio.run(supervised(_loop(moves, 5.0), Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])))
+
+
+def test_a_dead_worker_stops_the_run_at_once():
+    moves, worker = [0], Worker("queue storage unit")
+    worker.state = "dead"
+    with pytest.raises(WorkerDied, match=r"the queue storage unit died \(queue storage unit is gone\)"):
+        asyncio.run(supervised(_loop(moves, 5.0), Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])))
+
+
+def test_a_stopped_replaceable_worker_is_replaced_and_the_loop_goes_on():
+    moves, rollout = [0], Worker("rollout worker")
+    rollout.state = "stopped"
+    watchdog = Watchdog(TIMEOUT, [rollout.beat(replaceable=True)], lambda: moves[0])
+    assert asyncio.run(supervised(_loop(moves, 1.5), watchdog)) == "done"
+    assert rollout.replaced == 1 and watchdog.replaced == {"rollout worker": 1}
+
+
+def test_a_loop_that_stops_moving_stops_the_run_unless_paused():
+    still = [0]
+    worker = Worker("trainer")
+
+    async def hung() -> None:
+        await asyncio.sleep(5.0)
+
+    with pytest.raises(WorkerStalled, match=r"^the training loop made no progress"):
+        asyncio.run(supervised(hung(), Watchdog(TIMEOUT, [worker.beat()], lambda: still[0])))
+
+    async def paused() -> str:
+        watchdog = Watchdog(TIMEOUT, [worker.beat()], lambda: still[0])
+
+        async def evaluating() -> str:
+            with watchdog.paused():
+                await asyncio.sleep(1.0)
+            return "evaluated"
+
+        return await supervised(evaluating(), watchdog)
+
+    assert asyncio.run(paused()) == "evaluated"
+
+
+def test_a_silent_worker_is_named_instead_of_the_loop_it_holds_up():
+    still, worker = [0], Worker("trainer (rank 1)")
+    worker.state = "stopped"
+
+    async def waiting_on_it() -> None:
+        await asyncio.sleep(5.0)
+
+    with pytest.raises(WorkerStalled, match=r"^the trainer \(rank 1\) sent no heartbeat"):
+        asyncio.run(supervised(waiting_on_it(), Watchdog(TIMEOUT, [worker.beat()], lambda: still[0])))
