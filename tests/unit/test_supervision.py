@@ -107,3 +107,21 @@ def test_a_silent_worker_is_named_instead_of_the_loop_it_holds_up():
 
     with pytest.raises(WorkerStalled, match=r"^the trainer \(rank 1\) sent no heartbeat"):
         asyncio.run(supervised(waiting_on_it(), Watchdog(TIMEOUT, [worker.beat()], lambda: still[0])))
+
+
+def test_a_worker_that_computes_is_progress_though_the_loop_waits_on_it():
+    """A long train step: the loop waits on the trainer, whose heartbeats report CPU seconds rising
+    as fast as the wall clock (a deadlocked trainer's would stay flat: the previous test)."""
+    still, cpu = [0], [0.0]
+
+    async def computing() -> float:
+        cpu[0] += 0.1  # pinged every 0.1 s: one busy core
+        return cpu[0]
+
+    trainer = Heartbeat("trainer", computing, lambda err: None)
+
+    async def one_long_step() -> str:
+        await asyncio.sleep(1.2)
+        return "stepped"
+
+    assert asyncio.run(supervised(one_long_step(), Watchdog(TIMEOUT, [trainer], lambda: still[0]))) == "stepped"

@@ -294,12 +294,12 @@ T = TypeVar("T")
 
 
 def _supervised(cls: type) -> Any:
-    """``cls`` as a Ray actor class with a ``heartbeat`` (its pid) for ``Watchdog``, answered in a
+    """``cls`` as a Ray actor class with a ``heartbeat`` (its CPU seconds) for ``Watchdog``, answered in a
     concurrency group of its own (beside the work); the worker classes stay Ray-free."""
     import ray
 
-    def heartbeat(self: object) -> int:
-        return os.getpid()
+    def heartbeat(self: object) -> float:
+        return time.process_time()  # CPU seconds: the watchdog tells a working process from a hung one
 
     with_heartbeat = type(cls.__name__, (cls,), {"heartbeat": heartbeat, "__module__": cls.__module__})
     return ray.remote(concurrency_groups={HEALTH: 1})(with_heartbeat)  # type: ignore[call-overload]

@@ -2,9 +2,10 @@
 
 ``Watchdog.watch`` runs beside the training loop (``supervised``). It asks every supervised
 worker for a heartbeat (a Ray actor answers in a concurrency group of its own, so a long train
-step does not delay the answer) and reads the loop's progress; a worker that has not answered,
-or a loop that has not moved, for ``run.stall_timeout_s`` stops the run with ``WorkerStalled``:
-one line naming it. A replaceable worker (the rollout worker) that stalls is killed instead, so
+step does not delay the answer: it answers with its CPU seconds) and reads the loop's progress;
+a worker that has not answered, or a loop that has not moved while no worker computes (a long
+train step is progress; a deadlock is not), for ``run.stall_timeout_s`` stops the run with
+``WorkerStalled``: one line naming it. A replaceable worker (the rollout worker) that stalls is killed instead, so
 Ray restarts it and the loop regenerates its groups. A worker whose heartbeat finds it dead and
 that cannot be replaced (a trainer rank, a queue-task worker) stops the run with ``WorkerDied``.
 
@@ -31,6 +32,8 @@ from sluice.controller.failures import RunStopped
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESUME_HINT = "resume=auto continues this run from its last checkpoint"
+BUSY_SHARE = 0.25
+"""A worker using at least this share of a core is working (an idle one uses ~1 %)."""
 
 
 class WorkerDied(RunStopped):
@@ -86,7 +89,11 @@ class Watchdog:
         self._failure: RunStopped | None = None
         self._paused = 0
         self._moved = 0.0
-        """When the loop last moved (or was paused, or a worker was replaced)."""
+        """When the loop last moved (or was paused, a worker worked, or one was replaced)."""
+        self._cpu: dict[str, float] = {}
+        """Each worker's CPU seconds, as its last heartbeat said."""
+        self._cpu_seen: dict[str, float] = {}
+        self._looked = time.monotonic()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -108,7 +115,7 @@ class Watchdog:
                 await asyncio.sleep(self.interval_s)
                 now = time.monotonic()
                 current = self.progress()
-                if self._paused or current != seen:
+                if self._paused or current != seen or self._working(now):
                     self._moved, seen = now, current
                 for beat in self.beats:
                     if now - self._heard[beat.worker] > self.timeout_s:
@@ -123,12 +130,24 @@ class Watchdog:
             for task in pingers:
                 task.cancel()
 
+    def _working(self, now: float) -> bool:
+        """Whether a worker (or this process: the local backend's trainer thread) spent at least
+        ``BUSY_SHARE`` of a core since the last look: a long train step is progress too, a
+        deadlock is not."""
+        cpu = {**self._cpu, "": time.process_time()}
+        busy = any(cpu[k] - self._cpu_seen.get(k, cpu[k]) >= BUSY_SHARE * (now - self._looked) for k in cpu)
+        self._cpu_seen, self._looked = cpu, now
+        return busy
+
     async def _listen(self, beat: Heartbeat) -> None:
-        """Ping ``beat`` every interval; a dead, irreplaceable worker stops the run at once."""
+        """Ping ``beat`` every interval (its answer: the worker's CPU seconds); a dead,
+        irreplaceable worker stops the run at once."""
         while True:
             try:
-                await beat.ping()
+                answer = await beat.ping()
                 self._heard[beat.worker] = time.monotonic()
+                if isinstance(answer, float):
+                    self._cpu[beat.worker] = answer
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # deliberate: a ping's error is judged, not propagated
