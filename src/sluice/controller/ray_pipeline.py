@@ -65,6 +65,8 @@ class RayPipeline(_Pipeline):
         self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async()))
         self.rollout_restarts = 0
         self._recovering = asyncio.Lock()
+        self._syncing: int | None = None
+        """The version a weight sync is bringing the rollout worker to (``None``: none in flight)."""
         trainer_options = _actor_options(spec.trainer_threads, over, share, trainer_gpus)
         trainer_cls: Any = _supervised(TrainerWorker).options(**trainer_options)
         self.critic_sync = None  # held here: the registry actor lives as long as this handle
@@ -88,6 +90,8 @@ class RayPipeline(_Pipeline):
         node_kwargs = node_worker_kwargs(spec, self.critic_sync)
         self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in placement(spec).node_workers]
         self._served: list[Any] = [actor.serve.remote() for actor in self.node_actors]
+        self._actor_names = {beat_actor._actor_id.hex(): name for name, beat_actor in self._named_actors()}
+        """Ray actor id → the worker's name in a one-line death."""
         """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
@@ -107,19 +111,22 @@ class RayPipeline(_Pipeline):
             raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
 
     async def recover_rollout(self) -> None:
-        """Once Ray has restarted the rollout worker, bring it to the engines' current version
-        (every wave and call that saw the death awaits the same recovery)."""
+        """Once Ray has restarted the rollout worker, bring it to the engines' version (the one
+        being synced, if a sync is in flight: the registry may have dropped the older one).
+        Every wave and call that saw the death awaits the same recovery."""
         async with self._recovering:
             actor = self.rollout_actor
-            stats = await _when_alive(actor.engine_stats.remote, self.spec.config.run.stall_timeout_s)
-            if int(stats["version"]) == self.engine_version:
+            target = self._syncing if self._syncing is not None else self.engine_version
+            startup = max(self.spec.config.run.stall_timeout_s, RESTART_TIMEOUT_S)
+            stats = await _when_alive(actor.engine_stats.remote, startup)
+            if int(stats["version"]) >= target:
                 return  # recovered already
             if self.spec.config.fleet.weight_transfer == "broadcast":  # its process group died with it
                 raise WorkerDied("rollout worker", "fleet.weight_transfer=broadcast cannot re-sync a replacement")
             self.rollout_restarts += 1
             mode = self.spec.config.rollout.weight_update
-            await actor.load_version.remote(self.engine_weight_sync, self.engine_version, mode)
-            await wait_engine_version(actor.engine_stats.remote, self.engine_version)
+            await actor.load_version.remote(self.engine_weight_sync, target, mode)
+            await wait_engine_version(actor.engine_stats.remote, target)
 
     async def _on_rollout(self, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` on the rollout worker; if it died meanwhile, once more on its replacement."""
@@ -179,8 +186,17 @@ class RayPipeline(_Pipeline):
         return results[0]
 
     async def sync_weights(self, version: int) -> dict[str, float]:
+        from ray.exceptions import RayActorError
+
         sync, mode = self.engine_weight_sync, self.spec.config.rollout.weight_update
-        metrics = await self._on_rollout(lambda: self.rollout_actor.load_version.remote(sync, version, mode))
+        self._syncing = version
+        try:
+            metrics = await self.rollout_actor.load_version.remote(sync, version, mode)
+        except RayActorError:  # its replacement is brought to `version` by the recovery
+            await self.recover_rollout()
+            metrics = {}
+        finally:
+            self._syncing = None
         await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
@@ -239,13 +255,19 @@ class RayPipeline(_Pipeline):
 
             ray.kill(self.rollout_actor, no_restart=False)  # Ray restarts it; its waves raise WorkerLost
 
-        beats = [Heartbeat("rollout worker", ping(self.rollout_actor), dead, replace_rollout)]
+        return [
+            Heartbeat(name, ping(actor), dead, replace_rollout if actor is self.rollout_actor else None)
+            for name, actor in self._named_actors()
+        ]
+
+    def _named_actors(self) -> list[tuple[str, Any]]:
+        """This pipeline's worker actors with their names (the heartbeats' and deaths')."""
+        named = [("rollout worker", self.rollout_actor)]
         for rank, actor in enumerate(self.trainer_actors):
-            beats.append(Heartbeat(f"trainer (rank {rank})" if rank or self.spec.data_parallel > 1 else "trainer",
-                                   ping(actor), dead))  # fmt: skip
-        for node, actor in zip(placement(self.spec).node_workers, self.node_actors, strict=True):
-            beats.append(Heartbeat(f"'{node.id}' task worker", ping(actor), dead))
-        return beats
+            named.append((f"trainer (rank {rank})" if self.spec.data_parallel > 1 else "trainer", actor))
+        nodes = placement(self.spec).node_workers
+        named += [(f"'{node.id}' task worker", actor) for node, actor in zip(nodes, self.node_actors, strict=True)]
+        return named
 
     def explain(self, err: BaseException) -> RunStopped | None:
         """The one line for an actor's death found in ``err``'s causes (``None``: not one)."""
@@ -256,7 +278,8 @@ class RayPipeline(_Pipeline):
         if err is None:
             return None
         found = re.search(r"class_name: (\w+)", str(err))
-        worker = ACTOR_ROLES.get(found.group(1), found.group(1)) if found else "a worker process"
+        worker = self._actor_names.get(getattr(err, "actor_id", None) or "")
+        worker = worker or (ACTOR_ROLES.get(found.group(1), found.group(1)) if found else "worker process")
         return WorkerDied(worker, _first_line(err))
 
     def close(self) -> None:
@@ -279,6 +302,8 @@ async def _awaited(ref: Any) -> Any:
 
 ROLLOUT_RESTARTS = 3
 """How many times Ray restarts a dead rollout worker before its death stops the run."""
+RESTART_TIMEOUT_S = 180.0
+"""How long a restarted rollout worker may take to start (a Ray worker, its engine, its model)."""
 HEALTH = "health"
 """The concurrency group of every worker actor's ``heartbeat``."""
 ACTOR_ROLES = {

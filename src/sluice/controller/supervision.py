@@ -94,6 +94,8 @@ class Watchdog:
         """Each worker's CPU seconds, as its last heartbeat said."""
         self._cpu_seen: dict[str, float] = {}
         self._looked = time.monotonic()
+        self._replacing: set[str] = set()
+        """Workers killed to be replaced that have not answered since."""
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -122,7 +124,7 @@ class Watchdog:
                         await self._silent(beat, now)
                 # every worker answers, yet nothing moves: the loop itself hangs (a silent worker
                 # gets its own verdict, naming it)
-                answering = all(now - heard <= 2 * self.interval_s for heard in self._heard.values())
+                answering = not self._replacing and all(now - t <= 2 * self.interval_s for t in self._heard.values())
                 if self._failure is None and answering and now - self._moved > self.timeout_s:
                     self._failure = WorkerStalled("training loop", now - self._moved, "made no progress")
             raise self._failure
@@ -146,13 +148,18 @@ class Watchdog:
             try:
                 answer = await beat.ping()
                 self._heard[beat.worker] = time.monotonic()
+                if beat.worker in self._replacing:  # replaced: the loop gets a whole timeout to move again
+                    self._replacing.discard(beat.worker)
+                    self._moved = self._heard[beat.worker]
                 if isinstance(answer, float):
                     self._cpu[beat.worker] = answer
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # deliberate: a ping's error is judged, not propagated
                 detail = beat.dead(err)
-                if detail is not None and beat.replace is None:
+                if detail is None and beat.replace is not None:
+                    self._replacing.add(beat.worker)  # unavailable: being restarted
+                elif detail is not None and beat.replace is None:
                     self._failure = WorkerDied(beat.worker, detail)
                     return
             await asyncio.sleep(self.interval_s)
@@ -162,9 +169,12 @@ class Watchdog:
         if beat.replace is None:
             self._failure = WorkerStalled(beat.worker, silent, "sent no heartbeat")
             return
+        if beat.worker in self._replacing:
+            return  # its replacement is starting (the pipeline's recovery bounds how long)
         log.warning("the %s sent no heartbeat for %.0f s: killed, to be replaced", beat.worker, silent)
         self.replaced[beat.worker] = self.replaced.get(beat.worker, 0) + 1
-        self._heard[beat.worker] = self._moved = now  # its replacement gets a whole timeout to start
+        self._replacing.add(beat.worker)
+        self._moved = now
         await beat.replace()
 
 
