@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -28,6 +26,15 @@ from sluice.controller.pipelines import (
     wait_engine_version,
     weight_syncs,
 )
+from sluice.controller.ray_supervision import (
+    HEALTH,
+    RESTART_TIMEOUT_S,
+    ROLLOUT_RESTARTS,
+    death_detail,
+    explain_death,
+    supervised,
+    when_alive,
+)
 from sluice.controller.supervision import Heartbeat, WorkerDied, WorkerLost
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.data import PromptStream
@@ -35,6 +42,8 @@ from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
+
+T = TypeVar("T")
 
 
 class RayPipeline(_Pipeline):
@@ -61,14 +70,14 @@ class RayPipeline(_Pipeline):
         rollout_options = _actor_options(spec.rollout_threads, over, share, rollout_gpus)
         # replaceable: Ray restarts it (a fresh worker at version 0), the pipeline re-syncs it
         rollout_options.update(max_restarts=ROLLOUT_RESTARTS, max_task_retries=0)
-        rollout_cls: Any = _supervised(RolloutWorker).options(**rollout_options)
+        rollout_cls: Any = supervised(RolloutWorker).options(**rollout_options)
         self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async()))
         self.rollout_restarts = 0
         self._recovering = asyncio.Lock()
         self._syncing: int | None = None
         """The version a weight sync is bringing the rollout worker to (``None``: none in flight)."""
         trainer_options = _actor_options(spec.trainer_threads, over, share, trainer_gpus)
-        trainer_cls: Any = _supervised(TrainerWorker).options(**trainer_options)
+        trainer_cls: Any = supervised(TrainerWorker).options(**trainer_options)
         self.critic_sync = None  # held here: the registry actor lives as long as this handle
         if spec.critic is not None:
             from sluice.weights import ObjectStoreWeightSync
@@ -86,7 +95,7 @@ class RayPipeline(_Pipeline):
         self._rank_tokens: list[int] = []
         self._step_groups = 0
         """Groups handed to the ranks this step: the next group's position in the step."""
-        node_cls: Any = _supervised(NodeTaskWorker).options(**_actor_options(1, True, share))
+        node_cls: Any = supervised(NodeTaskWorker).options(**_actor_options(1, True, share))
         node_kwargs = node_worker_kwargs(spec, self.critic_sync)
         self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in placement(spec).node_workers]
         self._served: list[Any] = [actor.serve.remote() for actor in self.node_actors]
@@ -95,8 +104,10 @@ class RayPipeline(_Pipeline):
         """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
-        """The rollout worker's reports; if it dies, ``WorkerLost`` with the groups it did not report."""
-        from ray.exceptions import RayActorError
+        """The rollout worker's reports; if it (or one of its engine replica actors) dies,
+        ``WorkerLost`` with the groups it did not report."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
 
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
         prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
@@ -109,6 +120,11 @@ class RayPipeline(_Pipeline):
                 yield report
         except RayActorError:
             raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
+        except RayTaskError as err:  # an engine replica actor (fleet.replica_actors) died under it
+            if "class_name: EngineHost" not in str(err):
+                raise
+            ray.kill(self.rollout_actor, no_restart=False)  # restarted with fresh replicas (it owns them)
+            raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
 
     async def recover_rollout(self) -> None:
         """Once Ray has restarted the rollout worker, bring it to the engines' version (the one
@@ -118,7 +134,7 @@ class RayPipeline(_Pipeline):
             actor = self.rollout_actor
             target = self._syncing if self._syncing is not None else self.engine_version
             startup = max(self.spec.config.run.stall_timeout_s, RESTART_TIMEOUT_S)
-            stats = await _when_alive(actor.engine_stats.remote, startup)
+            stats = await when_alive(actor.engine_stats.remote, startup)
             if int(stats["version"]) >= target:
                 return  # recovered already
             if self.spec.config.fleet.weight_transfer == "broadcast":  # its process group died with it
@@ -245,7 +261,7 @@ class RayPipeline(_Pipeline):
         from ray.exceptions import ActorDiedError
 
         def dead(err: BaseException) -> str | None:
-            return _first_line(err) if isinstance(err, ActorDiedError) else None
+            return death_detail(err) if isinstance(err, ActorDiedError) else None
 
         def ping(actor: Any) -> Callable[[], Awaitable[object]]:
             return lambda: actor.heartbeat.options(concurrency_group=HEALTH).remote()
@@ -271,16 +287,7 @@ class RayPipeline(_Pipeline):
 
     def explain(self, err: BaseException) -> RunStopped | None:
         """The one line for an actor's death found in ``err``'s causes (``None``: not one)."""
-        from ray.exceptions import RayActorError
-
-        while err is not None and not isinstance(err, RayActorError):
-            err = err.__cause__ or err.__context__  # type: ignore[assignment]
-        if err is None:
-            return None
-        found = re.search(r"class_name: (\w+)", str(err))
-        worker = self._actor_names.get(getattr(err, "actor_id", None) or "")
-        worker = worker or (ACTOR_ROLES.get(found.group(1), found.group(1)) if found else "worker process")
-        return WorkerDied(worker, _first_line(err))
+        return explain_death(err, self._actor_names)
 
     def close(self) -> None:
         import ray
@@ -298,60 +305,6 @@ class RayPipeline(_Pipeline):
 
 async def _awaited(ref: Any) -> Any:
     return await ref
-
-
-ROLLOUT_RESTARTS = 3
-"""How many times Ray restarts a dead rollout worker before its death stops the run."""
-RESTART_TIMEOUT_S = 180.0
-"""How long a restarted rollout worker may take to start (a Ray worker, its engine, its model)."""
-HEALTH = "health"
-"""The concurrency group of every worker actor's ``heartbeat``."""
-ACTOR_ROLES = {
-    "RolloutWorker": "rollout worker",
-    "TrainerWorker": "trainer",
-    "NodeTaskWorker": "queue-task worker",
-    "StorageActor": "queue storage unit",
-    "ControllerActor": "queue controller",
-    "_Registry": "weight registry",
-}
-"""What a dead actor's class is, in the one line that stops the run."""
-T = TypeVar("T")
-
-
-def _supervised(cls: type) -> Any:
-    """``cls`` as a Ray actor class with a ``heartbeat`` (its CPU seconds) for ``Watchdog``, answered in a
-    concurrency group of its own (beside the work); the worker classes stay Ray-free."""
-    import ray
-
-    def heartbeat(self: object) -> float:
-        return time.process_time()  # CPU seconds: the watchdog tells a working process from a hung one
-
-    with_heartbeat = type(cls.__name__, (cls,), {"heartbeat": heartbeat, "__module__": cls.__module__})
-    return ray.remote(concurrency_groups={HEALTH: 1})(with_heartbeat)  # type: ignore[call-overload]
-
-
-async def _when_alive(call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
-    """``call()``'s answer once the actor answers: while Ray restarts it, calls fail fast."""
-    from ray.exceptions import RayActorError
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return await call()
-        except RayActorError:
-            if time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(0.2)
-
-
-def _first_line(err: BaseException) -> str:
-    """An actor error in a few words: its pid and why it died (Ray's message is a page)."""
-    text = str(err)
-    pid, why = re.search(r"\bpid: (\d+)", text), re.search(r"The actor is dead because ([^.]*)", text)
-    if pid or why:
-        return ", ".join(part for part in (pid and f"pid {pid.group(1)}", why and why.group(1)) if part)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(err).__name__
 
 
 def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:
