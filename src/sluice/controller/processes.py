@@ -43,6 +43,9 @@ SETTLE_S = 5.0
 """How long the run's processes have to exit on their own at its end before they are stopped."""
 PROC = Path("/proc")
 _DONE = b"done"
+_MP_HELPER = " -c from multiprocessing."
+"""multiprocessing's forkserver and resource tracker (the reward pool's): they last as long as the
+process that started them, so a run stops them at its end, as expected, without a warning."""
 
 
 @dataclass(frozen=True)
@@ -175,20 +178,24 @@ def sweep_leftovers(tag: str, grace: float = GRACE_S) -> int:
     return len(orphans)
 
 
-def stop_own_processes(tag: str, settle: float = SETTLE_S, grace: float = GRACE_S) -> int:
-    """Stop this driver's processes with ``tag`` still running ``settle`` seconds after the run
-    closed its workers (Ray's workers exit on their own once its daemons are gone); one line
-    says how many there were."""
+def stop_own_processes(tag: str, settle: float | None = None, grace: float = GRACE_S) -> int:
+    """Stop this driver's processes with ``tag`` still running ``settle`` (default ``SETTLE_S``)
+    seconds after the run closed its workers (Ray's workers exit on their own once its daemons
+    are gone); one line says how many there were."""
     me = driver_id(os.getpid())
-    deadline = time.monotonic() + settle
-    while (mine := [p for p in tagged_processes(tag) if p.driver == me]) and time.monotonic() < deadline:
+    deadline = time.monotonic() + (SETTLE_S if settle is None else settle)
+    while True:
+        mine = [p for p in tagged_processes(tag) if p.driver == me]
+        helpers = [p for p in mine if _MP_HELPER in p.name]  # they live as long as their parent: no wait
+        if len(mine) == len(helpers) or time.monotonic() >= deadline:
+            break
         time.sleep(0.1)
-    if mine:
+    if len(mine) > len(helpers):
         log.warning(
             "stopping %d processes of this run still running at its end: %s",
-            len(mine), ", ".join(sorted({p.name for p in mine})),
+            len(mine) - len(helpers), ", ".join(sorted({p.name for p in mine} - {p.name for p in helpers})),
         )  # fmt: skip
-        terminate([p.pid for p in mine], grace)
+    terminate([p.pid for p in mine], grace)
     return len(mine)
 
 

@@ -92,13 +92,14 @@ async def run_training(
             keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
             if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
                 run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))
-            stopping = stop.signal
             checkpoint = None
-            if run.checkpoint_due(version) or stopping is not None:  # preemption: one whatever the period
+            if run.checkpoint_due(version):
                 checkpoint = await save_checkpoint(run, controller, pipeline, version)
-            if stopping is not None:
-                preempted.append(RunPreempted(stopping, version, checkpoint))
-            return keep_going and stopping is None
+            if stop.signal is not None:  # preemption: a checkpoint whatever the period, then stop
+                checkpoint = checkpoint or await save_checkpoint(run, controller, pipeline, version)
+                preempted.append(RunPreempted(stop.signal, version, checkpoint))
+                return False
+            return keep_going
 
         if resumed is not None:  # restart the groups that were generating at the checkpoint
             resume_controller(controller, resumed)
