@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: run test test-scale lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
+.PHONY: run test test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
 
 venv: $(STAMP)
 
@@ -29,12 +29,18 @@ run: $(STAMP)
 	$(BIN)/sluice train $(ARGS)
 
 test: $(STAMP) sandbox-deps lint typecheck
-	$(BIN)/pytest tests -m "not scale" --durations=15
+	$(BIN)/pytest tests -m "not scale and not faults" --durations=15
 
 # Trainer strategies over several processes (DDP / FSDP2 ranks, sharded checkpoints) and the GPU
 # check's CPU run: minutes of spawned ranks, so apart from `make test`; .ci/run calls both.
 test-scale: $(STAMP)
 	$(BIN)/pytest tests -m scale --durations=10
+
+# Clean exits (docs/reliability.md): real `sluice train` drivers (local and Ray) SIGKILLed and
+# SIGTERMed at start-up, mid-step and mid-checkpoint; minutes of process start-ups, so apart from
+# `make test`; .ci/run calls it after test-scale.
+test-faults: $(STAMP)
+	$(BIN)/pytest tests -m faults --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

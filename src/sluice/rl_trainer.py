@@ -34,7 +34,7 @@ from sluice.config import ConfigError, SluiceConfig, dump_config
 from sluice.config.agentic import check_agentic
 from sluice.controller.pipelines import PipelineSpec
 from sluice.controller.preemption import Preemption, RunPreempted, preemptible
-from sluice.controller.processes import tagged_run
+from sluice.controller.processes import run_tag, tagged_run
 from sluice.controller.resume import open_checkpoints
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
@@ -245,9 +245,9 @@ class RLTrainer:
         if not self._data_ready:
             self.load_prompt_data()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # the run's processes carry its tag (a crashed predecessor's swept first, none outlives it);
-        # SIGTERM / SIGINT stop it at the next step boundary with a checkpoint (RunPreempted)
-        with tagged_run(self.run_dir) as tag, preemptible(tag) as preemption:
+        # SIGTERM / SIGINT stop the run at the next step boundary with a checkpoint (RunPreempted);
+        # its processes carry its tag (a crashed predecessor's swept first, none outlives it)
+        with preemptible(run_tag(self.run_dir)) as preemption, tagged_run(self.run_dir):
             run, base, final = self._run_training(progress, preemption)
         self.tokenizer.save_pretrained(run.final_model_dir)
         if cfg.tracking.plot:
