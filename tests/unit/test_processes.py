@@ -1,6 +1,7 @@
 """The run tag, the sweeps and the reaper (``controller/processes.py``) and the stop request
 (``controller/preemption.py``) on real processes: plain ``python -c`` sleepers carrying a tag."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -97,18 +98,22 @@ def test_the_end_of_a_run_stops_its_own_processes_only(tmp_path):
             proc.wait()
 
 
-def test_a_tagged_run_sets_the_environment_then_puts_it_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ending", ["normal", "crash"])
+def test_a_tagged_run_sets_the_environment_then_puts_it_back(tmp_path, monkeypatch, ending):
+    """On the way out, by its end or by an exception: its processes stopped, the environment back."""
     monkeypatch.setattr(processes, "SETTLE_S", 0.5)
     monkeypatch.delenv(TAG_VAR, raising=False)
     monkeypatch.setenv(DRIVER_VAR, "before")
-    with tagged_run(tmp_path) as tag:
+    with pytest.raises(RuntimeError) if ending == "crash" else contextlib.nullcontext(), tagged_run(tmp_path) as tag:
         assert os.environ[TAG_VAR] == tag == run_tag(tmp_path)
         assert os.environ[DRIVER_VAR] == driver_id(os.getpid())
         reapers = [p for p in tagged_processes(tag) if "processes.py" in p.name]
         assert len(reapers) == 1
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # inherits the tag
         _wait_until(lambda: child.pid in {p.pid for p in tagged_processes(tag)}, "the child's environment")
-    assert _gone(child, timeout=0.0) or child.returncode is not None  # stopped on the way out
+        if ending == "crash":
+            raise RuntimeError("the run failed")
+    assert _gone(child, timeout=5.0) and child.returncode == -signal.SIGTERM  # stopped on the way out
     assert TAG_VAR not in os.environ and os.environ[DRIVER_VAR] == "before"
     assert tagged_processes(tag) == []  # the reaper was told the run ended and exited
 
