@@ -10,9 +10,11 @@ forkserver and workers; Ray actors get them again through their ``runtime_env``
 
 ``sweep_leftovers`` (at start-up) stops the processes with the run's tag whose driver is gone,
 SIGTERM then SIGKILL after a grace; ``stop_own_processes`` (at the run's end, on every path)
-stops the ones of this driver that are still there. Neither touches the current driver nor a
-process whose driver is alive and not this one (another live run in the same run dir: a
-warning, not a kill).
+stops the ones of this driver that are still there, but for multiprocessing's forkserver and
+resource tracker, which belong to the process (a later run in it reuses them) and exit with it.
+``start_reaper`` starts a process that stops them all if the driver dies without doing it.
+The sweeps never touch the current driver nor a process whose driver is alive and not this one
+(another live run in the same run dir: a warning, not a kill).
 
 Linux only: processes are found by reading ``/proc/<pid>/environ`` (what a process was started
 with), which needs no library and sees every process of this user. Elsewhere both sweeps find
@@ -44,8 +46,7 @@ SETTLE_S = 5.0
 PROC = Path("/proc")
 _DONE = b"done"
 _MP_HELPER = " -c from multiprocessing."
-"""multiprocessing's forkserver and resource tracker (the reward pool's): they last as long as the
-process that started them, so a run stops them at its end, as expected, without a warning."""
+"""In the name of multiprocessing's forkserver and resource tracker (and of the forkserver's children)."""
 
 
 @dataclass(frozen=True)
@@ -184,19 +185,23 @@ def stop_own_processes(tag: str, settle: float | None = None, grace: float = GRA
     are gone); one line says how many there were."""
     me = driver_id(os.getpid())
     deadline = time.monotonic() + (SETTLE_S if settle is None else settle)
-    while True:
-        mine = [p for p in tagged_processes(tag) if p.driver == me]
-        helpers = [p for p in mine if _MP_HELPER in p.name]  # they live as long as their parent: no wait
-        if len(mine) == len(helpers) or time.monotonic() >= deadline:
-            break
+    while (mine := [p for p in tagged_processes(tag) if p.driver == me and not _process_helper(p)]) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.1)
-    if len(mine) > len(helpers):
+    if mine:
         log.warning(
             "stopping %d processes of this run still running at its end: %s",
-            len(mine) - len(helpers), ", ".join(sorted({p.name for p in mine} - {p.name for p in helpers})),
+            len(mine), ", ".join(sorted({p.name for p in mine})),
         )  # fmt: skip
-    terminate([p.pid for p in mine], grace)
+        terminate([p.pid for p in mine], grace)
     return len(mine)
+
+
+def _process_helper(proc: TaggedProcess) -> bool:
+    """multiprocessing's forkserver or resource tracker of this process (the reward pool's): they
+    belong to the process, not the run (a later run in it reuses them) and exit when it does."""
+    return _MP_HELPER in proc.name and _parent(proc.pid) == os.getpid()
 
 
 def kill_own_processes(tag: str) -> None:
@@ -243,14 +248,20 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state letter, start time in clock ticks) from ``/proc/<pid>/stat``; ``None`` if gone."""
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(state letter, start time in clock ticks, parent pid) from ``/proc/<pid>/stat``; ``None``
+    if it is gone."""
     try:
         text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
-    return fields[0], fields[19]
+    return fields[0], fields[19], int(fields[1])
+
+
+def _parent(pid: int) -> int | None:
+    stat = _stat(pid)
+    return None if stat is None else stat[2]
 
 
 def _name(pid: int) -> str:
