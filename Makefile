@@ -36,9 +36,12 @@ test: $(STAMP) sandbox-deps lint typecheck
 test-scale: $(STAMP)
 	$(BIN)/pytest tests -m "scale and not faults" --durations=10
 
-# Faults in real runs (docs/reliability.md): killed and stopped workers, reward workers, drivers.
+# Faults in real runs (docs/reliability.md): worker actors and reward workers SIGKILLed or
+# SIGSTOPped mid-run; `sluice train` drivers (local and Ray) SIGKILLed and SIGTERMed at start-up,
+# mid-step and mid-checkpoint. Minutes of process start-ups, so apart from `make test`; .ci/run
+# calls it after test-scale.
 test-faults: $(STAMP)
-	$(BIN)/pytest tests -m faults --durations=10
+	$(BIN)/pytest tests -m faults --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

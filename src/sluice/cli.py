@@ -3,8 +3,9 @@
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2, and a run that stopped itself
-(``RunStopped``: a reward or environment over its failure budget) into its one line with exit
-code 1. All work is delegated to
+(``RunStopped``: a reward or environment over its failure budget, a worker lost or silent) into
+its one line with exit code 1. A training run stopped by SIGTERM (SIGINT) at a checkpoint says
+so in one line and exits with 143 (130). All work is delegated to
 ``sluice.RLTrainer`` and the evaluator.
 """
 
@@ -106,6 +107,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         console.print(dump_config(cfg), end="", markup=False, highlight=False)
         return 0
+    from sluice.controller.preemption import RunPreempted
     from sluice.rl_trainer import RLTrainer
     from sluice.telemetry import TrainProgress
 
@@ -114,8 +116,12 @@ def _train(args: argparse.Namespace) -> int:
         trainer.init_engines(on_sft_step=lambda step, loss: sft_bar.update(step, loss=loss))
     trainer.load_prompt_data()
     console.print(f"model {trainer.model_dir}  run dir {trainer.run_dir}")
-    with TrainProgress(cfg.run.steps, "train", cfg.run.progress, console) as bar:
-        result = trainer.fit(progress=bar)
+    try:
+        with TrainProgress(cfg.run.steps, "train", cfg.run.progress, console) as bar:
+            result = trainer.fit(progress=bar)
+    except RunPreempted as stopped:  # SIGTERM / SIGINT: stopped at a checkpoint, every process gone
+        print(stopped, file=sys.stderr, flush=True)
+        return stopped.exit_code
     console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
     if result.base_accuracy is None or result.final_accuracy is None:
         print("no evaluation (run.eval_every=0, or data.train_files without data.val_files)", flush=True)

@@ -33,6 +33,8 @@ from sluice.api import PromptItem, RewardFn, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config
 from sluice.config.agentic import check_agentic
 from sluice.controller.pipelines import PipelineSpec
+from sluice.controller.preemption import Preemption, RunPreempted, preemptible
+from sluice.controller.processes import run_tag, tagged_run
 from sluice.controller.resume import open_checkpoints
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
@@ -243,24 +245,10 @@ class RLTrainer:
         if not self._data_ready:
             self.load_prompt_data()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoints, resumed_from, resumed = open_checkpoints(cfg, self.run_dir)
-        run = TrainingRun(
-            cfg, self.run_dir, self.prompts, self.eval_items or [], self.max_new_tokens, checkpoints, resumed_from,
-            tokenizer=self.tokenizer,
-        )  # fmt: skip
-        run.open_logs(append=resumed is not None)
-        if resumed is None:
-            filtered = {f"{split}_filtered_{why}": n for split, c in self.filtered.items() for why, n in c.items()}
-            run.metrics.log("data", train_prompts=len(self.prompts.items), val_prompts=len(self.eval_items), **filtered)
-        if progress is not None:
-            run.progress = progress
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        try:
-            base, final = asyncio.run(run_training(run, self.pipeline_spec(), resumed))
-        except BaseException:
-            run.close_logs(failed=True)  # the trackers' runs end (wandb's marked failed); the error propagates
-            raise
-        run.close_logs()
+        # SIGTERM / SIGINT stop the run at the next step boundary with a checkpoint (RunPreempted);
+        # its processes carry its tag (a crashed predecessor's swept first, none outlives it)
+        with preemptible(run_tag(self.run_dir)) as preemption, tagged_run(self.run_dir):
+            run, base, final = self._run_training(progress, preemption)
         self.tokenizer.save_pretrained(run.final_model_dir)
         if cfg.tracking.plot:
             plot_run(self.run_dir)
@@ -274,6 +262,35 @@ class RLTrainer:
             run.run_dir,
             run.final_model_dir,
         )
+
+    def _run_training(
+        self, progress: TrainProgress | None, preemption: Preemption
+    ) -> tuple[TrainingRun, EvalResult | None, EvalResult | None]:
+        """Open the run (checkpoints, logs) and run the loop: the run as it ended, its base and
+        final evaluations."""
+        cfg = self.config
+        checkpoints, resumed_from, resumed = open_checkpoints(cfg, self.run_dir)
+        run = TrainingRun(
+            cfg, self.run_dir, self.prompts, self.eval_items or [], self.max_new_tokens, checkpoints, resumed_from,
+            tokenizer=self.tokenizer,
+        )  # fmt: skip
+        run.open_logs(append=resumed is not None)
+        if resumed is None:
+            filtered = {f"{split}_filtered_{why}": n for split, c in self.filtered.items() for why, n in c.items()}
+            run.metrics.log("data", train_prompts=len(self.prompts.items), val_prompts=len(self.eval_items), **filtered)
+        if progress is not None:
+            run.progress = progress
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        try:
+            base, final = asyncio.run(run_training(run, self.pipeline_spec(), resumed, preemption))
+        except RunPreempted:
+            run.close_logs()  # stopped at a checkpoint: the trackers' runs end as they would
+            raise
+        except BaseException:
+            run.close_logs(failed=True)  # the trackers' runs end (wandb's marked failed); the error propagates
+            raise
+        run.close_logs()
+        return run, base, final
 
     def pipeline_spec(self) -> PipelineSpec:
         """What the workers are built from: the config's sections and the run's resolved pieces."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +28,7 @@ from sluice.controller.pipelines import (
     wait_engine_version,
     weight_syncs,
 )
+from sluice.controller.processes import DRIVER_VAR, TAG_VAR
 from sluice.controller.ray_supervision import (
     HEALTH,
     RESTART_TIMEOUT_S,
@@ -326,24 +329,31 @@ def gpu_share(cluster_gpus: float, trainer_ranks: int) -> tuple[float, float]:
 def _actor_options(threads: int, oversubscribed: bool, cpus: float = 1.0, gpus: float = 0.0) -> dict[str, Any]:
     """``cpus`` (at most one) for Ray's placement bookkeeping; the real thread count goes to OpenMP."""
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env.update({var: os.environ[var] for var in (TAG_VAR, DRIVER_VAR) if var in os.environ})  # the run tag
     if oversubscribed:  # spinning OpenMP workers would steal cores from the other actor
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env}}
 
 
 def ensure_ray(address: str | None) -> None:
-    """Join ``address``, or start one local Ray instance sized for this machine (once per process)."""
+    """Join ``address``, or start one local Ray instance sized for this machine (once per process).
+    A SIGTERM handler installed before (the run's, ``controller/preemption.py``), which ``ray.init``
+    replaces with its own, is put back."""
     import ray
 
     if ray.is_initialized():
         return
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     if address:
         ray.init(address=address, log_to_driver=False)
-        return
-    ray.init(
-        address="local",
-        num_cpus=max(2, os.cpu_count() or 2),
-        include_dashboard=False,
-        object_store_memory=512 * 1024**2,
-        log_to_driver=False,
-    )
+    else:
+        ray.init(
+            address="local",
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            object_store_memory=512 * 1024**2,
+            log_to_driver=False,
+        )
+    if callable(sigterm):  # a handler of this process's own (not the default): it stays in charge
+        signal.signal(signal.SIGTERM, sigterm)

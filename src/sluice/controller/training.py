@@ -7,8 +7,9 @@ staleness bound, ``run.mode: sync`` the same controller and workers with the bar
 (``run.eval_every``) and final evaluations on the rollout engine (none with ``run.eval_every: 0``
 or an empty evaluation set), turns group reports into per-step statistics, saves the final
 model and writes the timeline (``trace.json``), the sample-fate counters and, every
-``tracking.samples_every`` steps, a few of the trained samples (``samples.jsonl``). It adds no
-scheduling logic of its own.
+``tracking.samples_every`` steps, a few of the trained samples (``samples.jsonl``). A stop request
+(SIGTERM / SIGINT, ``controller/preemption.py``) ends the loop after the current step with a
+checkpoint. It adds no scheduling logic of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sluice.controller.failures import FailureBudget, RunStopped
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
+from sluice.controller.preemption import Preemption, RunPreempted
 from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.resume import DriverState, restore_checkpoint, resume_controller, save_checkpoint
 from sluice.controller.run_state import TrainingRun
@@ -54,22 +56,30 @@ def place_pipeline(config: SluiceConfig, spec: PipelineSpec, prompts: PromptStre
 
 
 async def run_training(
-    run: TrainingRun, spec: PipelineSpec, resumed: DriverState | None
+    run: TrainingRun, spec: PipelineSpec, resumed: DriverState | None, stop: Preemption | None = None
 ) -> tuple[EvalResult | None, EvalResult | None]:
     """Place the workers, run ``run.config.run.steps`` steps, evaluate before, every
-    ``run.eval_every`` steps and after; the evaluations are ``None`` when the run has none."""
+    ``run.eval_every`` steps and after; the evaluations are ``None`` when the run has none.
+
+    ``stop`` requested (SIGTERM / SIGINT): after the current step a checkpoint is written (unless
+    that step's was), then ``RunPreempted``; before the first step, ``RunPreempted`` at once."""
     cfg = run.config
+    stop = stop or Preemption()
+    preempted: list[RunPreempted] = []
     if not cfg.run.eval_every:
         log.info("no evaluation: run.eval_every is 0")
     elif not run.eval_items:
         log.warning("no evaluation: the evaluation set is empty (data.val_files gives one)")
+    _stop_if_asked(stop, run)
     pipeline = place_pipeline(cfg, spec, run.prompts)
     try:
+        _stop_if_asked(stop, run)
         if resumed is None:
             base = await _evaluate(run, pipeline)
         else:  # trainer state, engines at its version, the queue's untrained rows
             base = await restore_checkpoint(run, pipeline, resumed)
         run.base_eval = base
+        _stop_if_asked(stop, run)
         before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
         gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.rollout.forced_lag)
         env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
@@ -82,15 +92,21 @@ async def run_training(
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
-            if run.eval_due(version):
+            if run.eval_due(version) and not stop.requested:
                 with watchdog.paused():
                     await _evaluate(run, pipeline, version)
             keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
             if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
                 run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))
+            checkpoint = None
             if run.checkpoint_due(version):
                 with watchdog.paused():
-                    await save_checkpoint(run, controller, pipeline, version)
+                    checkpoint = await save_checkpoint(run, controller, pipeline, version)
+            if stop.signal is not None:  # preemption: a checkpoint whatever the period, then stop
+                with watchdog.paused():
+                    checkpoint = checkpoint or await save_checkpoint(run, controller, pipeline, version)
+                preempted.append(RunPreempted(stop.signal, version, checkpoint))
+                return False
             return keep_going
 
         if resumed is not None:  # restart the groups that were generating at the checkpoint
@@ -99,14 +115,16 @@ async def run_training(
         try:
             await supervised(controller.run(cfg.run.steps, after_step), watchdog)
         except Exception as err:  # a stop (or a worker's death): the books so far, then its one line
-            stop = err if isinstance(err, RunStopped) else pipeline.explain(err)
-            if stop is None:
+            stopped = err if isinstance(err, RunStopped) else pipeline.explain(err)
+            if stopped is None:
                 raise
-            run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stop))
-            if stop is err:
+            run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stopped))
+            if stopped is err:
                 raise
-            raise stop from err
+            raise stopped from err
         run.loop_seconds = time.monotonic() - started
+        if preempted:  # a signal after the last step's callback finishes the run instead
+            raise preempted[0]
         run.metrics.log("cpu", **cpu.read())  # every process's CPU seconds in the loop, by role
         await _log_run_end(run, controller, pipeline, spec)
         loop = await pipeline.trace_events()
@@ -120,6 +138,13 @@ async def run_training(
         return base, final
     finally:
         pipeline.close()
+
+
+def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:
+    """Before the first step: a stop request ends the run now (nothing trained since the
+    checkpoint it resumed from, if any)."""
+    if stop.signal is not None:
+        raise RunPreempted(stop.signal, run.version, None)
 
 
 async def _evaluate(
