@@ -107,10 +107,8 @@ class RayPipeline(_Pipeline):
         """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
-        """The rollout worker's reports; if it (or one of its engine replica actors) dies,
-        ``WorkerLost`` with the groups it did not report."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        """The rollout worker's reports; if it dies, ``WorkerLost`` with the groups it did not report."""
+        from ray.exceptions import RayActorError
 
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
         prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
@@ -122,11 +120,6 @@ class RayPipeline(_Pipeline):
                 prompt_tokens.pop(report.group_id)
                 yield report
         except RayActorError:
-            raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
-        except RayTaskError as err:  # an engine replica actor (fleet.replica_actors) died under it
-            if "class_name: EngineHost" not in str(err):
-                raise
-            ray.kill(self.rollout_actor, no_restart=False)  # restarted with fresh replicas (it owns them)
             raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
 
     async def recover_rollout(self) -> None:
