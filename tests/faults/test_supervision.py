@@ -23,6 +23,7 @@ from fakes import length_reward
 from sluice import RLTrainer
 from sluice.config import load_config
 from sluice.controller.failures import RunStopped
+from sluice.controller.processes import run_tag, tagged_processes
 from tiny import tiny_run_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -80,9 +81,14 @@ def _fault_after_step(
 
 
 def _assert_each_sample_once(run_dir: Path) -> None:
+    """Every admitted sample trained exactly once, and none of the run's processes left."""
     ids, steps = trained_ids(run_dir)
     assert steps == list(range(1, STEPS + 1))
     assert len(ids) == STEPS * GROUPS * SAMPLES and set(ids.values()) == {1}
+    deadline = time.monotonic() + 30
+    while (left := tagged_processes(run_tag(run_dir))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of the run outlived it: {left}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
