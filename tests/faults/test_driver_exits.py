@@ -75,7 +75,10 @@ def _hit(driver, run_dir, backend, moment, sig):
     elif moment == "mid-step":  # step 1 logged: somewhere in step 2
         _wait_for(lambda: _steps_logged(run_dir) >= 1, "step 1", driver)
         time.sleep(random.uniform(0.0, 0.2))
+        os.kill(driver.pid, signal.SIGSTOP)  # held while we look: a loaded machine may delay this thread
+        assert _steps_logged(run_dir) < STEPS, "the run trained its last step before the signal"
         os.kill(driver.pid, sig)
+        os.kill(driver.pid, signal.SIGCONT)
     else:
         while not _in_checkpoint(run_dir, driver):
             time.sleep(0.01)
