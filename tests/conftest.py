@@ -16,15 +16,15 @@ sys.path.append(str(Path(__file__).parent.parent / "benchmarks"))  # benchmark h
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray instance for the whole pytest session (started on first use)."""
+def _start_ray():
     import ray
 
     # Ray workers inherit the environment of the processes ray.init starts, so they can import
     # the test helpers (fakes.py) that tests pass into actors.
     here = str(Path(__file__).parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
     ray.init(
         address="local",
         num_cpus=4,
@@ -32,8 +32,26 @@ def ray_cluster():
         object_store_memory=256 * 1024**2,
         log_to_driver=False,
     )
-    yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(_ray_session):
+    """One local Ray instance shared by the session's tests, started on first use, and again if a
+    run that started its own Ray (a ``run.backend=ray`` test without this fixture) shut it down."""
+    import ray
+
+    if not ray.is_initialized():
+        _start_ray()
+    return ray
 
 
 @pytest.fixture(scope="session")

@@ -87,7 +87,7 @@ def tagged_run(run_dir: Path) -> Iterator[str]:
             sys.modules["ray"].shutdown()
         if reaper is not None:
             stop_reaper(reaper)
-        stop_own_processes(tag)
+        stop_own_processes(tag, keep_ray=ray_was_up)
         for var, value in saved.items():
             if value is None:
                 os.environ.pop(var, None)
@@ -179,15 +179,19 @@ def sweep_leftovers(tag: str, grace: float = GRACE_S) -> int:
     return len(orphans)
 
 
-def stop_own_processes(tag: str, settle: float | None = None, grace: float = GRACE_S) -> int:
+def stop_own_processes(tag: str, settle: float | None = None, grace: float = GRACE_S, keep_ray: bool = False) -> int:
     """Stop this driver's processes with ``tag`` still running ``settle`` (default ``SETTLE_S``)
     seconds after the run closed its workers (Ray's workers exit on their own once its daemons
-    are gone); one line says how many there were."""
+    are gone); one line says how many there were. ``keep_ray``: the run joined a Ray instance it
+    did not start, whose pooled workers and daemons are the instance's, not the run's (its actors
+    were killed when it closed its workers)."""
     me = driver_id(os.getpid())
     deadline = time.monotonic() + (SETTLE_S if settle is None else settle)
-    while (mine := [p for p in tagged_processes(tag) if p.driver == me and not _process_helper(p)]) and (
-        time.monotonic() < deadline
-    ):
+
+    def own(proc: TaggedProcess) -> bool:
+        return proc.driver == me and not _process_helper(proc) and not (keep_ray and _of_ray(proc.pid))
+
+    while (mine := [p for p in tagged_processes(tag) if own(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     if mine:
         log.warning(
@@ -196,6 +200,15 @@ def stop_own_processes(tag: str, settle: float | None = None, grace: float = GRA
         )  # fmt: skip
         terminate([p.pid for p in mine], grace)
     return len(mine)
+
+
+def _of_ray(pid: int) -> bool:
+    """A Ray worker (``ray::…``) or one of Ray's daemons (a program inside the ``ray`` package)."""
+    try:
+        cmdline = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return cmdline.startswith(b"ray::") or b"/ray/" in cmdline
 
 
 def _process_helper(proc: TaggedProcess) -> bool:
