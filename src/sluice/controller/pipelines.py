@@ -271,6 +271,7 @@ def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "agentic": spec.agentic,
         "threads": spec.rollout_threads,
         "trace": cfg.run.trace,
+        "trace_max_events": cfg.run.trace_max_events,
     }
 
 
