@@ -1,0 +1,51 @@
+"""What a long run keeps in memory stays bounded: the controller drops a group's report once its
+step is logged (and never keeps a discarded group's), and the JSONL logs keep no records."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+
+from fakes import FakePipeline
+from sluice.controller.ledger import GroupLedger, GroupState
+from sluice.controller.loop import Controller
+from sluice.controller.staleness import StalenessGate
+from sluice.telemetry.metrics import JsonlMetrics
+
+
+def test_the_controller_holds_only_the_reports_of_groups_not_yet_trained() -> None:
+    eta, per_step, steps = 2, 4, 30
+    pipe = FakePipeline(lambda gid: 0.001 * (gid % 3), discard=lambda gid: "scripted" if gid % 7 == 3 else None)
+    ledger = GroupLedger(StalenessGate(per_step, eta))
+    controller = Controller(pipe, ledger, per_step)
+    held: list[int] = []
+
+    async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
+        assert all(gid in controller.reports for gid in chosen)  # the step's statistics can read them
+        held.append(len(controller.reports))
+        return True
+
+    asyncio.run(asyncio.wait_for(controller.run(steps, after_step), timeout=60))
+    assert max(held) <= (eta + 2) * per_step  # the admission bound, not the run's length
+    untrained = {gid for gid, g in ledger.groups.items() if g.state is GroupState.OPEN and g.generated}
+    assert set(controller.reports) <= untrained  # ... and the run-end's discards are not kept either
+    discarded = sum(g.discard_reason == "scripted" for g in ledger.groups.values())
+    reported = steps * per_step + discarded + len(untrained)  # the watchdog still sees every report
+    assert discarded > 0 and controller.progress() == (steps, reported)
+
+
+def test_jsonl_logs_keep_no_records_in_memory(tmp_path) -> None:
+    ids = [f"{step}-{k}" for step in range(2) for k in range(128)]
+    log = JsonlMetrics(None)
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for step in range(2_000):  # a long run's trained-ids log: every sample id of every step
+            log.log("trained", step=step, ids=[f"{i}-{step}" for i in ids])
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 1_000_000, grown
+    on_disk = JsonlMetrics(tmp_path / "metrics.jsonl")
+    on_disk.log("train", step=1, loss=0.5)
+    assert '"loss": 0.5' in (tmp_path / "metrics.jsonl").read_text()
