@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import tracemalloc
 
-from fakes import FakePipeline
+from fakes import FakePipeline, length_reward
 from sluice.controller.ledger import GroupLedger, GroupState
 from sluice.controller.loop import Controller
 from sluice.controller.staleness import StalenessGate
@@ -86,3 +86,31 @@ def test_the_ledgers_per_report_questions_never_scan_every_group() -> None:
     asyncio.run(asyncio.wait_for(controller.run(steps, after_step), timeout=60))
     assert _CountingGroups.scans == 0 and len(checked) == steps
     assert len(groups) > steps * per_step and max(checked) <= (eta + 2) * per_step + 2
+
+
+def test_the_pipelines_queue_frees_each_row_once_every_task_read_it(tiny_task_model, tmp_path) -> None:
+    """The queue held every sample the run generated (0.8 MB a step of the default task in the
+    soak run's storage actor); a trained row is freed now, so it holds the rows in flight only."""
+    from sluice import RLTrainer
+    from sluice.config import load_config
+    from sluice.controller.pipelines import LocalPipeline
+    from tiny import tiny_run_overrides
+
+    per_step, eta, group_size, steps = 4, 1, 4, 6
+    overrides = [*tiny_run_overrides(tiny_task_model, tmp_path, "free"), "run.backend=local", "reward.pool_size=0"]
+    trainer = RLTrainer(load_config(None, [*overrides, "rollout.max_new_tokens=6"]), reward=length_reward)
+    trainer.init_engines()
+    trainer.load_prompt_data()
+    pipeline = LocalPipeline(trainer.pipeline_spec(), trainer.prompts)
+    controller = Controller(pipeline, GroupLedger(StalenessGate(per_step, eta)), per_step)
+    held: list[int] = []
+
+    async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
+        held.append(pipeline.queue.stats()["rows"])
+        return True
+
+    try:
+        asyncio.run(asyncio.wait_for(controller.run(steps, after_step), timeout=300))
+    finally:
+        pipeline.close()
+    assert len(held) == steps and max(held) <= (eta + 1) * per_step * group_size, held

@@ -49,7 +49,7 @@ def test_memory_stays_at_the_cap_over_a_long_run() -> None:
     for k in range(50_000):
         with rec.span("generate", lane=f"engine{k % 4}", n=k):
             pass
-    assert len(rec._raw) == 1_000 and rec.dropped == 49_000
+    assert len(rec._raw) == 1_000 and rec.dropped == 49_000 and rec.max_events == 1_000
     assert len(_spans(rec.drain())) == 1_000
     unbounded = SpanRecorder("rollout")  # the default (simulations, tests): every event kept
     for k in range(5_000):

@@ -117,6 +117,11 @@ class SpanRecorder:
         self._dropped_until = 0
         """End (ns) of the newest dropped event: every event ending later is still held."""
 
+    @property
+    def max_events(self) -> int | None:
+        """The cap (``None``: none); a recorder replacing this one (a renamed rank) takes it over."""
+        return self._raw.maxlen
+
     def _record(self, event: _Raw) -> None:
         raw = self._raw
         if len(raw) == raw.maxlen:  # the oldest event makes room
@@ -171,7 +176,7 @@ class SpanRecorder:
         meta = [_meta("process_name", pid, 0, name=self.process)]
         meta += [_meta("thread_name", pid, tid, name=lane) for lane, tid in tids.items()]
         if dropped:
-            meta.append(_meta(DROPPED, pid, 0, dropped=dropped, until_us=until_ns / 1000, max_events=self._raw.maxlen))
+            meta.append(_meta(DROPPED, pid, 0, dropped=dropped, until_us=until_ns / 1000, max_events=self.max_events))
         return meta + out
 
 
