@@ -142,6 +142,12 @@ class RunConfig(_Section):
     """Record a timeline of every worker's spans to ``trace.json`` in the run directory
     (view in Perfetto, or ``sluice trace RUN_DIR`` for a PNG Gantt chart)."""
 
+    trace_max_events: int = Field(default=20_000, ge=1)
+    """The newest events each worker's timeline recorder keeps (a ring buffer, so a long run's
+    memory and ``trace.json`` stay bounded; the default task records about 70 a step). Older ones
+    are dropped and counted (``dropped_events`` in the ``trace`` metrics record, a label on the
+    process in the viewer); the trace's numbers then cover only its newest, complete window."""
+
     steps: int = Field(default=60, ge=0)
     """Training steps (policy versions) to run."""
 

@@ -54,6 +54,7 @@ RESUMABLE_FIELDS = frozenset(
         "keep_checkpoints",
         "eval_every",
         "trace",
+        "trace_max_events",
         "ray_address",
         "failure_budget",
         "failure_window",

@@ -4,7 +4,9 @@ It is the controller's bookkeeping for DESIGN.md's rules: ``accepted`` / ``in_fl
 admission, per-group versions for consumption (oldest first, must-include ``≤ v − η``), and the
 fates of samples — trained (with its staleness), discarded (per named reason) or regenerated —
 as counters and as a consumed ledger that tests audit. It moves no sample data and starts no
-work.
+work. Every group's record stays in ``groups``, but the per-report questions (admission credit,
+the next group for a step, surplus) read only the live groups (open or chosen) and the sorted
+versions of the trained ones, so their cost does not grow with the run's length.
 """
 
 from __future__ import annotations
@@ -61,15 +63,24 @@ class GroupLedger:
     the surplus still generating is aborted (``abort_surplus``)."""
     _waited: set[int] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        """The indexes, derived from ``groups`` (a decoded checkpoint's ledger rebuilds them)."""
+        live = (GroupState.OPEN, GroupState.CHOSEN)
+        self._live: dict[int, GroupRecord] = {gid: g for gid, g in self.groups.items() if g.state in live}
+        """Groups neither trained nor discarded: all that admission and the steps still ask about."""
+        self._trained_versions: list[int] = sorted(
+            g.version for g in self.groups.values() if g.state is GroupState.TRAINED
+        )
+
     @property
     def in_flight(self) -> int:
         """Groups still generating."""
-        return sum(not g.generated and g.state is not GroupState.DISCARDED for g in self.groups.values())
+        return sum(not g.generated for g in self._live.values())
 
     @property
     def accepted(self) -> int:
         """Groups written to the queue and not discarded (trained ones included)."""
-        return sum(g.generated and g.state is not GroupState.DISCARDED for g in self.groups.values())
+        return len(self._trained_versions) + sum(g.generated for g in self._live.values())
 
     def capacity(self, version: int) -> int:
         """Groups admission may start now at engine ``version``: the gate's credit, plus up to
@@ -86,16 +97,16 @@ class GroupLedger:
         a group of version ``a`` once ``(a + η + 1) · B`` groups of version ``≤ a`` are accepted
         (only redundant admission can leave such groups). Each is discarded as ``reason`` now
         (its credit returns at once); returns the ids to stop."""
-        accepted = self._accepted_versions()
         surplus = [
             g
-            for g in self.groups.values()
+            for g in self._live.values()
             if not g.generated
             and g.state is GroupState.OPEN
-            and bisect.bisect_right(accepted, g.version) >= self._quota(g.version)
+            and self._accepted_at_most(g.version) >= self._quota(g.version)
         ]
         for g in surplus:
             g.state, g.discard_reason = GroupState.DISCARDED, reason
+            del self._live[g.group_id]
             self.discards[f"{reason}_groups"] += 1
         return [g.group_id for g in surplus]
 
@@ -106,9 +117,9 @@ class GroupLedger:
         with may not fit, and is then discarded as surplus."""
         if not self.redundant_groups:
             return True
-        accepted = self._accepted_versions()
-        later = {c for c in accepted if c >= version} | {version}
-        return all(bisect.bisect_right(accepted, c) + 1 <= self._quota(c) for c in later)
+        later = set(self._trained_versions[bisect.bisect_left(self._trained_versions, version) :])
+        later |= {g.version for g in self._live.values() if g.generated and g.version >= version} | {version}
+        return all(self._accepted_at_most(c) + 1 <= self._quota(c) for c in later)
 
     def late_report(self, group_id: int, num_samples: int) -> bool:
         """A report for a group already discarded by ``abort_surplus`` (it was stopped, or finished
@@ -120,8 +131,10 @@ class GroupLedger:
         self.discards[g.discard_reason or "unknown"] += num_samples
         return True
 
-    def _accepted_versions(self) -> list[int]:
-        return sorted(g.version for g in self.groups.values() if g.generated and g.state is not GroupState.DISCARDED)
+    def _accepted_at_most(self, version: int) -> int:
+        """Accepted groups (trained ones included) of version ``≤ version``."""
+        live = sum(g.generated and g.version <= version for g in self._live.values())
+        return bisect.bisect_right(self._trained_versions, version) + live
 
     def _quota(self, version: int) -> int:
         return (version + self.gate.max_staleness + 1) * self.gate.groups_per_step
@@ -129,7 +142,7 @@ class GroupLedger:
     def admitted(self, group_id: int, version: int) -> None:
         if group_id in self.groups:
             raise ValueError(f"group {group_id} admitted twice")
-        self.groups[group_id] = GroupRecord(group_id, version)
+        self.groups[group_id] = self._live[group_id] = GroupRecord(group_id, version)
 
     def finished(self, group_id: int, version: int, num_samples: int, sample_versions: tuple[int, ...] = ()) -> None:
         """The group's rows are in the queue; ``version`` is its oldest token's."""
@@ -139,7 +152,7 @@ class GroupLedger:
 
     def oldest_generating(self) -> int | None:
         """The admission version of the oldest group still generating (``None``: none is)."""
-        versions = [g.version for g in self.groups.values() if not g.generated and g.state is not GroupState.DISCARDED]
+        versions = [g.version for g in self._live.values() if not g.generated]
         return min(versions, default=None)
 
     def discarded(self, group_id: int, reason: str, num_samples: int) -> None:
@@ -148,6 +161,7 @@ class GroupLedger:
         if g.state is not GroupState.OPEN:
             raise ValueError(f"group {group_id} was already taken by a step; it cannot be discarded")
         g.state, g.num_samples, g.discard_reason = GroupState.DISCARDED, num_samples, reason
+        del self._live[group_id]
         self.discards[reason] += num_samples
 
     def next_for_step(self, version: int, chosen: int, engine_version: int) -> int | None:
@@ -163,7 +177,7 @@ class GroupLedger:
         ``stale_waits`` counts each group waited on once.
         """
         open_groups = sorted(
-            (g for g in self.groups.values() if g.state is GroupState.OPEN), key=lambda g: (g.version, g.group_id)
+            (g for g in self._live.values() if g.state is GroupState.OPEN), key=lambda g: (g.version, g.group_id)
         )
         must = next((g for g in open_groups if self.gate.must_include(g.version, version)), None)
         if must is not None and must.generated:
@@ -203,6 +217,8 @@ class GroupLedger:
         for gid in group_ids:
             g = self._expect(gid, GroupState.CHOSEN)
             g.state, g.trained_at = GroupState.TRAINED, version
+            del self._live[gid]
+            bisect.insort(self._trained_versions, g.version)
             self.staleness[self.gate.staleness(g.version, version)] += 1
             for sample_version in g.sample_versions or (g.version,) * g.num_samples:
                 self.sample_staleness[self.gate.staleness(sample_version, version)] += 1
@@ -210,12 +226,12 @@ class GroupLedger:
     def abandon_open(self, reason: str) -> int:
         """End of run: every group not trained (generating or ready) is discarded as ``reason``."""
         count = 0
-        for g in self.groups.values():
-            if g.state is GroupState.OPEN:
-                g.state, g.discard_reason = GroupState.DISCARDED, reason
-                self.discards[reason] += g.num_samples if g.generated else 0
-                self.discards[f"{reason}_groups"] += 1
-                count += 1
+        for g in [g for g in self._live.values() if g.state is GroupState.OPEN]:
+            del self._live[g.group_id]
+            g.state, g.discard_reason = GroupState.DISCARDED, reason
+            self.discards[reason] += g.num_samples if g.generated else 0
+            self.discards[f"{reason}_groups"] += 1
+            count += 1
         return count
 
     def counters(self) -> dict[str, float]:

@@ -83,6 +83,9 @@ class Controller:
         self.groups_per_step = groups_per_step
         self.version = pipeline.engine_version
         self.reports: dict[int, GroupReport] = {}
+        """Reports of the finished groups not yet trained, and of the step's groups until its
+        ``after_step`` returns; then they are dropped, so a long run holds a bounded number."""
+        self._report_count = 0
         self._next_group = 0
         self._generating: dict[int, PromptItem] = {}
         """Prompts of groups admitted and not yet reported (a checkpoint restarts them)."""
@@ -110,7 +113,10 @@ class Controller:
                 self._sync = asyncio.create_task(self._sync_weights(self.version))
                 if self.barrier:  # sync: the engines hold v + 1 before anything else happens
                     await self._await_sync()
-                if not await after_step(self.version, chosen, metrics):
+                keep_going = await after_step(self.version, chosen, metrics)
+                for gid in chosen:  # the step's statistics are logged: its reports are done with
+                    del self.reports[gid]
+                if not keep_going:
                     break
             await self._await_sync()
         finally:
@@ -170,7 +176,7 @@ class Controller:
 
     def progress(self) -> tuple[int, int]:
         """(policy version, groups reported): changes whenever the loop moves."""
-        return self.version, len(self.reports)
+        return self.version, self._report_count
 
     @property
     def next_group(self) -> int:
@@ -196,7 +202,7 @@ class Controller:
     async def _rollout(self, wave: list[tuple[PromptItem, int]]) -> None:
         try:
             async for report in self.pipeline.rollout_wave(wave):
-                self.reports[report.group_id] = report
+                self._report_count += 1
                 self._generating.pop(report.group_id, None)
                 if self.ledger.late_report(report.group_id, report.num_samples):
                     continue  # a surplus group, discarded when it was aborted
@@ -205,6 +211,7 @@ class Controller:
                     reason = "redundant"  # finished on newer weights, past that version's quota
                 if reason is None:
                     self.ledger.finished(report.group_id, report.version, report.num_samples, report.sample_versions)
+                    self.reports[report.group_id] = report  # a discarded group's report is not kept
                 else:
                     self.ledger.discarded(report.group_id, reason, report.num_samples)
                 if self.failures is not None:

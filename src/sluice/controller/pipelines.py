@@ -119,7 +119,7 @@ class LocalPipeline(_Pipeline):
         if spec.data_parallel > 1:
             raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")
         super().__init__(spec, prompts)
-        self.queue = LocalQueue()
+        self.queue = LocalQueue(free_consumed=True)  # a row is freed once every task read it
         for task, columns in queue_tasks(spec).items():
             self.queue.register_task(task, columns)
         self.weight_sync = InProcessWeightSync()
@@ -271,6 +271,7 @@ def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "agentic": spec.agentic,
         "threads": spec.rollout_threads,
         "trace": cfg.run.trace,
+        "trace_max_events": cfg.run.trace_max_events,
     }
 
 

@@ -61,7 +61,8 @@ class RayPipeline(_Pipeline):
 
         super().__init__(spec, prompts)
         ensure_ray(address)
-        self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec))
+        # a row is freed once every task read it: a long run's queue holds the rows in flight only
+        self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec), free_consumed=True)
         self.weight_sync, self.engine_weight_sync = weight_syncs(
             spec.config.fleet, f"sluice-weights-{os.getpid()}-{id(self)}"
         )

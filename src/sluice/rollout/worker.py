@@ -61,6 +61,7 @@ class RolloutWorker:
         agentic: EnvRolloutSpec | None = None,
         threads: int = 1,
         trace: bool = True,
+        trace_max_events: int | None = None,
         name: str = "rollout",
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
@@ -96,7 +97,7 @@ class RolloutWorker:
         self.params = params
         self.group_size = group_size = rollout.group_size
         self.run_seed = run_seed
-        self.tracer = SpanRecorder(name, enabled=trace)
+        self.tracer = SpanRecorder(name, enabled=trace, max_events=trace_max_events)
         self.env_runner: EnvRunner | None = None
         self.runner: GroupRunner | EnvRunner
         if agentic is not None:  # multi-turn: episodes of an environment

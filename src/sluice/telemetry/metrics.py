@@ -1,7 +1,9 @@
-"""Metric sinks: one JSON line per event in ``metrics.jsonl``, plus an in-memory history.
+"""Metric sinks: one JSON line per event in ``metrics.jsonl`` (and the run's other JSONL logs).
 
-Sinks only record what they are given; computing metrics is the caller's job. The console
-progress bar lives in ``telemetry/progress.py``.
+Sinks only record what they are given; computing metrics is the caller's job. They keep nothing
+in memory: a record is on disk once ``log`` returns (the trained-ids log alone holds every sample
+id of the run; a long run must not carry that in the driver). The console progress bar lives in
+``telemetry/progress.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ class JsonlMetrics:
     def __init__(self, path: str | Path | None, *, append: bool = False) -> None:
         """``append``: keep what the file holds (a resumed run continues it); else start it empty."""
         self.path = Path(path) if path is not None else None
-        self.history: list[dict[str, Any]] = []
         self._start = time.monotonic()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,7 +30,6 @@ class JsonlMetrics:
     def log(self, kind: str, **values: Any) -> dict[str, Any]:
         record = {"kind": kind, "elapsed_s": round(time.monotonic() - self._start, 3), **values}
         record = {k: _jsonable(v) for k, v in record.items()}
-        self.history.append(record)
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -8,8 +8,16 @@ Perfetto / ``chrome://tracing`` opens, and ``trace_summary`` for numbers such as
 Drained events carry pid/tid as stable hashes of the process and lane names, so batches from many
 processes can simply be concatenated; ``write_chrome_trace`` renumbers them to small ints.
 
-It deliberately does not: sample or aggregate (every span is kept until drained), talk to Ray,
-correct clock skew between hosts, or draw anything (``telemetry/gantt.py`` renders the figure).
+A recorder may be capped (``max_events``, ``run.trace_max_events`` in a run): a ring buffer keeps
+its newest events, so a long run's memory and ``trace.json`` stay bounded. What it drops is
+counted and said: a ``trace_dropped`` metadata event per process (count, and the end of the newest
+dropped span), shown in the viewer as a process label. A capped trace's numbers
+(``trace_summary``, ``trace_numbers``) cover its complete window only: from the newest dropped
+span's end, the time after which every recorder kept every span, to the last span.
+
+It deliberately does not: sample or aggregate (every span is kept until drained or pushed out by
+the cap), talk to Ray, correct clock skew between hosts, or draw anything (``telemetry/gantt.py``
+renders the figure).
 Concurrent spans in one lane (e.g. many coroutines) overlap in the viewer; give them their own lanes.
 """
 
@@ -20,6 +28,7 @@ import math
 import re
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,6 +52,8 @@ SPAN_CATEGORIES: dict[str, str] = {
     "eval": "eval",
 }
 OTHER = "other"
+DROPPED = "trace_dropped"  # metadata of a capped recorder: args dropped, until_us (newest dropped end), max_events
+_Raw = tuple[str, str, int, int | None, dict[str, Any]]  # name, lane, start_ns, end_ns (None: instant), args
 
 
 def _stable_id(name: str) -> int:
@@ -68,7 +79,7 @@ class _Span:
         end = time.time_ns()
         if exc_type is not None:
             self.args["error"] = exc_type.__name__
-        self.rec._raw.append((self.name, self.lane, self.start, end, self.args))
+        self.rec._record((self.name, self.lane, self.start, end, self.args))
 
 
 class _NullSpan:
@@ -88,14 +99,36 @@ _NULL_SPAN = _NullSpan()
 
 
 class SpanRecorder:
-    """Per-process span buffer: ``with rec.span("generate", lane="engine0", n=8): ...``; ``rec.drain()``."""
+    """Per-process span buffer: ``with rec.span("generate", lane="engine0", n=8): ...``; ``rec.drain()``.
 
-    def __init__(self, process: str, enabled: bool = True) -> None:
+    ``max_events``: keep only the newest this many events between drains (``None``: all), the
+    older ones counted in ``dropped``.
+    """
+
+    def __init__(self, process: str, enabled: bool = True, max_events: int | None = None) -> None:
+        if max_events is not None and max_events < 1:
+            raise ValueError(f"max_events must be at least 1, got {max_events}")
         self.process = process
         self.enabled = enabled
         self.pid = _stable_id(process)
-        # (name, lane, start_ns, end_ns or None for an instant, args); converted to dicts on drain.
-        self._raw: list[tuple[str, str, int, int | None, dict[str, Any]]] = []
+        self._raw: deque[_Raw] = deque(maxlen=max_events)
+        self.dropped = 0
+        """Events pushed out by the cap since the last drain."""
+        self._dropped_until = 0
+        """End (ns) of the newest dropped event: every event ending later is still held."""
+
+    @property
+    def max_events(self) -> int | None:
+        """The cap (``None``: none); a recorder replacing this one (a renamed rank) takes it over."""
+        return self._raw.maxlen
+
+    def _record(self, event: _Raw) -> None:
+        raw = self._raw
+        if len(raw) == raw.maxlen:  # the oldest event makes room
+            _, _, start, end, _ = raw[0]
+            self.dropped += 1
+            self._dropped_until = max(self._dropped_until, start if end is None else end)
+        raw.append(event)
 
     def span(self, name: str, lane: str = "main", **args: Any) -> _Span | _NullSpan:
         """Context manager measuring the wall time of its body; safe inside ``async def``."""
@@ -106,23 +139,25 @@ class SpanRecorder:
     def add(self, name: str, start_ns: int, end_ns: int, lane: str = "main", **args: Any) -> None:
         """Record a span measured elsewhere (``time.time_ns`` values)."""
         if self.enabled:
-            self._raw.append((name, lane, start_ns, end_ns, args))
+            self._record((name, lane, start_ns, end_ns, args))
 
     def instant(self, name: str, lane: str = "main", **args: Any) -> None:
         """Record a point event (e.g. "weights_published", version=3)."""
         if self.enabled:
-            self._raw.append((name, lane, time.time_ns(), None, args))
+            self._record((name, lane, time.time_ns(), None, args))
 
     def events(self) -> list[dict[str, Any]]:
         """The recorded events as Chrome-trace dicts (with metadata), without clearing them."""
-        return self._to_events(list(self._raw))
+        return self._to_events(list(self._raw), self.dropped, self._dropped_until)
 
     def drain(self) -> list[dict[str, Any]]:
-        """Return the recorded events (see ``events``) and clear the buffer."""
-        raw, self._raw = self._raw, []
-        return self._to_events(raw)
+        """Return the recorded events (see ``events``) and clear the buffer and the drop count."""
+        raw, dropped, until = list(self._raw), self.dropped, self._dropped_until
+        self._raw.clear()
+        self.dropped = self._dropped_until = 0
+        return self._to_events(raw, dropped, until)
 
-    def _to_events(self, raw: list[tuple[str, str, int, int | None, dict[str, Any]]]) -> list[dict[str, Any]]:
+    def _to_events(self, raw: list[_Raw], dropped: int, until_ns: int) -> list[dict[str, Any]]:
         if not raw:
             return []
         pid = self.pid
@@ -140,6 +175,8 @@ class SpanRecorder:
             out.append(event)
         meta = [_meta("process_name", pid, 0, name=self.process)]
         meta += [_meta("thread_name", pid, tid, name=lane) for lane, tid in tids.items()]
+        if dropped:
+            meta.append(_meta(DROPPED, pid, 0, dropped=dropped, until_us=until_ns / 1000, max_events=self.max_events))
         return meta + out
 
 
@@ -206,10 +243,13 @@ def write_chrome_trace(path: str | Path, sources: Iterable[Any]) -> Path:
 
     ``sources`` items may be ``SpanRecorder`` (read, not drained), event dicts, or lists of event
     dicts. Processes and lanes get small pid/tid ints in first-seen order; timestamps are rebased
-    so the earliest event is at 0.
+    so the earliest event is at 0. A process whose recorder dropped events keeps one
+    ``trace_dropped`` event (the counts summed) and a ``process_labels`` line saying so.
     """
-    rows, spans = resolve_spans(_flatten(sources))
+    events = _flatten(sources)
+    rows, spans = resolve_spans(events)
     base = min((s.start_us for s in spans), default=0.0)
+    drops = _drops_by_process(events)
     pids: dict[str, int] = {}
     tids: dict[tuple[str, str], int] = {}
     meta: list[dict[str, Any]] = []
@@ -217,6 +257,11 @@ def write_chrome_trace(path: str | Path, sources: Iterable[Any]) -> Path:
         if process not in pids:
             pid = pids[process] = len(pids) + 1
             meta += [_meta("process_name", pid, 0, name=process), _meta("process_sort_index", pid, 0, sort_index=pid)]
+            if process in drops:
+                dropped, until, cap = drops[process]
+                label = f"capped at {cap} events: the oldest {dropped} dropped"
+                meta += [_meta("process_labels", pid, 0, labels=label)]
+                meta += [_meta(DROPPED, pid, 0, dropped=dropped, until_us=round(until - base, 3), max_events=cap)]
         pid, tid = pids[process], 1 + sum(p == process for p, _ in tids)
         tids[(process, lane)] = tid
         meta += [_meta("thread_name", pid, tid, name=lane), _meta("thread_sort_index", pid, tid, sort_index=tid)]
@@ -226,6 +271,34 @@ def write_chrome_trace(path: str | Path, sources: Iterable[Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": meta + body, "displayTimeUnit": "ms"}, default=str))
     return path
+
+
+def _drops_by_process(events: list[dict[str, Any]]) -> dict[str, tuple[int, float, int]]:
+    """Process name -> (events dropped, end of the newest dropped in µs, the cap), over every
+    ``trace_dropped`` event of the process (several drained batches sum)."""
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    out: dict[str, tuple[int, float, int]] = {}
+    for e in events:
+        if e.get("ph") == "M" and e["name"] == DROPPED:
+            process, args = procs.get(e["pid"], str(e["pid"])), e["args"]
+            dropped, until, cap = out.get(process, (0, -math.inf, 0))
+            out[process] = (dropped + args["dropped"], max(until, args["until_us"]), max(cap, args["max_events"]))
+    return out
+
+
+def complete_window(events: Iterable[dict[str, Any]]) -> tuple[int, float | None]:
+    """(events dropped by capped recorders, the time in µs from which the trace holds every span:
+    the end of the newest dropped one; ``None`` when nothing was dropped)."""
+    drops = [e["args"] for e in events if e.get("ph") == "M" and e.get("name") == DROPPED]
+    if not drops:
+        return 0, None
+    return sum(a["dropped"] for a in drops), max(a["until_us"] for a in drops)
+
+
+def _clip(spans: list[Span], start_us: float) -> list[Span]:
+    """The spans' parts at or after ``start_us`` (spans and instants wholly before it left out)."""
+    kept = [s for s in spans if (s.end_us > start_us if s.ph == "X" else s.start_us >= start_us)]
+    return [s._replace(start_us=max(s.start_us, start_us)) for s in kept]
 
 
 def _export(s: Span, pid: int, tid: int, base: float) -> dict[str, Any]:
@@ -263,8 +336,14 @@ def trace_summary(events: Iterable[dict[str, Any]], trainer_process: str = "trai
     ``wall_s`` (first span start to last span end over all processes). ``trainer_idle_fraction`` is
     the share of wall time with no "train" span in any lane of ``trainer_process`` (None if absent);
     the overlap fraction is the share with a "generate" and a "train" span running at once, anywhere.
+    A capped trace (``trace_dropped`` events) is summarised over its complete window only (the
+    spans clipped to it), so no recorder's missing past reads as idle time.
     """
+    events = list(events)
     rows, spans = resolve_spans(events)
+    _, window = complete_window(events)
+    if window is not None:
+        spans = _clip(spans, window)
     by_row: dict[tuple[str, str], list[tuple[str, float, float]]] = {row: [] for row in rows}
     for s in spans:
         if s.ph == "X":
@@ -303,9 +382,18 @@ def _fraction(part: float, whole: float) -> float:
 
 
 def trace_numbers(events: Iterable[dict[str, Any]]) -> dict[str, float | None]:
-    """The headline numbers of a run's trace, for ``metrics.jsonl`` and benchmarks."""
+    """The headline numbers of a run's trace, for ``metrics.jsonl`` and benchmarks.
+
+    ``events``: the spans and instants held; ``dropped_events``: those the recorders' caps pushed
+    out. With any dropped, ``wall_s`` and the fractions cover the complete window only (the newest
+    part of the run: from the newest dropped span's end to the last span), not the whole run.
+    """
+    events = list(events)
     summary = trace_summary(events)
+    dropped, _ = complete_window(events)
     return {
+        "events": float(sum(e.get("ph") in ("X", "i", "I") for e in events)),
+        "dropped_events": float(dropped),
         "wall_s": summary["wall_s"],
         "trainer_idle_fraction": summary.get("trainer_idle_fraction"),
         "generate_train_overlap_fraction": summary.get("generate_train_overlap_fraction"),
