@@ -286,6 +286,7 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
         "steps": spec.config.run.steps,
         "threads": spec.trainer_threads,
         "trace": spec.config.run.trace,
+        "trace_max_events": spec.config.run.trace_max_events,
         "critic_sync": critic_sync,
         "reward_column": placement(spec).reward_column,
     }

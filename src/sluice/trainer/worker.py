@@ -67,6 +67,7 @@ class TrainerWorker:
         steps: int = 0,
         threads: int = 1,
         trace: bool = True,
+        trace_max_events: int | None = None,
         critic_sync: WeightSync | None = None,
         reward_column: str | None = None,
         engine: TrainEngine | None = None,
@@ -92,7 +93,7 @@ class TrainerWorker:
         self.schedule = schedule_of(trainer)
         self.reward_column = reward_column
         """A column a node of the DAG wrote (e.g. a combined reward) that replaces ``reward``."""
-        self.tracer = SpanRecorder("trainer", enabled=trace)
+        self.tracer = SpanRecorder("trainer", enabled=trace, max_events=trace_max_events)
         self.version = 0
         self._step: InOrderPacker | None = None
         self._held: list[Sample] = []
@@ -122,7 +123,7 @@ class TrainerWorker:
         if self.critic is not None:
             self.critic.distribute(self.strategy, cpu_offload=self.cpu_offload)
         if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
-            self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled)
+            self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled, max_events=self.tracer.max_events)
 
     @property
     def holds_step(self) -> bool:
