@@ -20,7 +20,7 @@ import time
 from sluice.config import SluiceConfig
 from sluice.controller.failures import FailureBudget, RunStopped
 from sluice.controller.ledger import GroupLedger
-from sluice.controller.loop import Controller
+from sluice.controller.loop import Controller, StepCallback
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.preemption import Preemption, RunPreempted
 from sluice.controller.ray_pipeline import RayPipeline
@@ -112,16 +112,7 @@ async def run_training(
         if resumed is not None:  # restart the groups that were generating at the checkpoint
             resume_controller(controller, resumed)
         cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
-        try:
-            await supervised(controller.run(cfg.run.steps, after_step), watchdog)
-        except Exception as err:  # a stop (or a worker's death): the books so far, then its one line
-            stopped = err if isinstance(err, RunStopped) else pipeline.explain(err)
-            if stopped is None:
-                raise
-            run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stopped))
-            if stopped is err:
-                raise
-            raise stopped from err
+        await _supervised_loop(run, controller, pipeline, watchdog, after_step)
         run.loop_seconds = time.monotonic() - started
         if preempted:  # a signal after the last step's callback finishes the run instead
             raise preempted[0]
@@ -145,6 +136,27 @@ def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:
     checkpoint it resumed from, if any)."""
     if stop.signal is not None:
         raise RunPreempted(stop.signal, run.version, None)
+
+
+async def _supervised_loop(
+    run: TrainingRun,
+    controller: Controller,
+    pipeline: LocalPipeline | RayPipeline,
+    watchdog: Watchdog,
+    after_step: StepCallback,
+) -> None:
+    """The controller's steps under the watchdog. A stop (``RunStopped``, or a worker's death
+    the pipeline explains) logs the books so far, then propagates as its one line."""
+    try:
+        await supervised(controller.run(run.config.run.steps, after_step), watchdog)
+    except Exception as err:
+        stopped = err if isinstance(err, RunStopped) else pipeline.explain(err)
+        if stopped is None:
+            raise
+        run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stopped))
+        if stopped is err:
+            raise
+        raise stopped from err
 
 
 async def _evaluate(
