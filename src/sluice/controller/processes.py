@@ -46,6 +46,7 @@ SETTLE_S = 5.0
 PROC = Path("/proc")
 _DONE = b"done"
 _MP_HELPER = " -c from multiprocessing."
+_WANDB_SERVICE = "wandb-core"
 """In the name of multiprocessing's forkserver and resource tracker (and of the forkserver's children)."""
 
 
@@ -212,9 +213,11 @@ def _of_ray(pid: int) -> bool:
 
 
 def _process_helper(proc: TaggedProcess) -> bool:
-    """multiprocessing's forkserver or resource tracker of this process (the reward pool's): they
-    belong to the process, not the run (a later run in it reuses them) and exit when it does."""
-    return _MP_HELPER in proc.name and _parent(proc.pid) == os.getpid()
+    """multiprocessing's forkserver or resource tracker of this process (the reward pool's), or
+    wandb's service (the wandb tracker's): they belong to the process, not the run (a later run
+    in it reuses them) and exit when it does."""
+    helper = _MP_HELPER in proc.name or proc.name.startswith(_WANDB_SERVICE)
+    return helper and _parent(proc.pid) == os.getpid()
 
 
 def kill_own_processes(tag: str) -> None:
