@@ -125,3 +125,16 @@ def test_a_worker_that_computes_is_progress_though_the_loop_waits_on_it():
         return "stepped"
 
     assert asyncio.run(supervised(one_long_step(), Watchdog(TIMEOUT, [trainer], lambda: still[0]))) == "stepped"
+
+
+def test_a_reset_direct_queue_connection_names_the_storage_unit():
+    """A storage unit's death can reach the driver as a worker's reset socket to it (the direct
+    same-node transport), not as a Ray actor error: it still gets its one line."""
+    from sluice.controller.ray_supervision import explain_death
+
+    reset = ConnectionResetError('File "/x/src/sluice/queue/direct.py", line 113, in call')
+    wrapped = RuntimeError("a step failed")
+    wrapped.__cause__ = reset
+    stopped = explain_death(wrapped, {})
+    assert stopped is not None and str(stopped).startswith("the queue storage unit died")
+    assert explain_death(RuntimeError("something else"), {}) is None
