@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.test_resume import trained_ids
+from integration.test_resume import _steps_logged, trained_ids
 from sluice.controller.processes import run_tag, tagged_processes
 from tiny import tiny_run_overrides
 
@@ -84,12 +84,6 @@ def _hit(driver, run_dir, backend, moment, sig):
             time.sleep(0.01)
         os.kill(driver.pid, sig)
         os.kill(driver.pid, signal.SIGCONT)
-
-
-def _steps_logged(run_dir):
-    """Complete lines of ``trained_ids.jsonl`` so far (one per trained step)."""
-    path = run_dir / "trained_ids.jsonl"
-    return path.read_text().count("\n") if path.is_file() else 0
 
 
 def _no_leftovers(run_dir):
