@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sluice.api import Algorithm, Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
+from sluice.api import (
+    Algorithm,
+    Completion,
+    GenerationRequest,
+    LossInputs,
+    LossOutputs,
+    MicroBatch,
+    ReplicaLost,
+    Sample,
+)
 
 if TYPE_CHECKING:  # reward worker processes unpickle FaultyReward from here: no torch at import
     import torch
@@ -565,29 +574,54 @@ class FakeAsyncQueueClient:
 
 class FakeReplica:
     """A ``Replica`` (every verb a coroutine) over a ``FakeInferenceEngine``; ``updates`` records
-    each weight update as (version, mode)."""
+    each weight update as (version, mode). With ``hold``, requests wait on it until ``release()``;
+    ``kill()`` makes it a replica whose process died: the requests it holds and every later verb
+    raise ``ReplicaLost``."""
 
-    def __init__(self, engine: FakeInferenceEngine | None = None) -> None:
+    def __init__(self, engine: FakeInferenceEngine | None = None, *, hold: bool = False) -> None:
         self.engine = engine or FakeInferenceEngine()
         self.updates: list[tuple[int, str]] = []
+        self.hold, self.holding, self.dead = hold, 0, False
+        self._gate = asyncio.Event()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def kill(self) -> None:
+        self.dead = True
+        self._gate.set()
+
+    def _alive(self) -> None:
+        if self.dead:
+            raise ReplicaLost("fake replica killed")
 
     async def generate(self, request: GenerationRequest) -> Completion:
+        self._alive()
+        if self.hold:
+            self.holding += 1
+            await self._gate.wait()
+            self._alive()
         return await self.engine.generate(request)
 
     async def abort(self, request_id: str) -> None:
+        self._alive()
         self.engine.aborted.add(request_id)
 
     async def pause(self) -> None:
+        self._alive()
         self.engine.paused = True
 
     async def resume(self) -> None:
+        self._alive()
         self.engine.paused = False
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, mode: str) -> None:
+        self._alive()
         self.updates.append((version, mode))
         self.engine.version = version
 
     async def stats(self) -> dict[str, float]:
+        self._alive()
         return {"version": float(self.engine.version)}
 
 

@@ -64,26 +64,27 @@ def _actor_pids(title: str, parent_title: str | None = None) -> list[int]:
 
 
 def _fault_after_step(
-    run_dir: Path, title: str, sig: signal.Signals, step: int = 2, parent_title: str | None = None
+    run_dir: Path, title: str, sig: signal.Signals, step: int = 2, parent_title: str | None = None, of: int = 1
 ) -> threading.Thread:
-    """In the background: once ``step`` is trained, send ``sig`` to the actor titled ``title``."""
+    """In the background: once ``step`` is trained, send ``sig`` to the actor titled ``title`` (the
+    first of the ``of`` such actors)."""
 
     def act() -> None:
         _wait_for(lambda: _steps_logged(run_dir) >= step, f"step {step}", timeout=600)
         pids = _actor_pids(title, parent_title)
-        assert len(pids) == 1, f"{title}: {pids}"
-        os.kill(pids[0], sig)
+        assert len(pids) == of, f"{title}: {pids}"
+        os.kill(min(pids), sig)
 
     thread = threading.Thread(target=act, daemon=True)
     thread.start()
     return thread
 
 
-def _assert_each_sample_once(run_dir: Path) -> None:
+def _assert_each_sample_once(run_dir: Path, run_steps: int = STEPS) -> None:
     """Every admitted sample trained exactly once, and none of the run's processes left."""
     ids, steps = trained_ids(run_dir)
-    assert steps == list(range(1, STEPS + 1))
-    assert len(ids) == STEPS * GROUPS * SAMPLES and set(ids.values()) == {1}
+    assert steps == list(range(1, run_steps + 1))
+    assert len(ids) == run_steps * GROUPS * SAMPLES and set(ids.values()) == {1}
     deadline = time.monotonic() + 30
     while (left := tagged_processes(run_tag(run_dir))) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -142,3 +143,19 @@ def test_a_lost_trainer_or_queue_stops_the_run_with_one_line_and_resume_finishes
     while _actor_pids(title) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _actor_pids(title), "the stopped actor outlived its run"
+
+
+def test_a_killed_engine_replica_is_replaced_and_the_run_finishes(tiny_task_model, tmp_path, ray_cluster):
+    """``fleet.replica_actors``: one of the two engine replicas (an ``EngineHost`` actor) is
+    SIGKILLed mid-run; its requests continue on the other replica, a new replica joins with the
+    newest weights, and the run loses nothing. A replica actor takes 10-15 s to start here, so the
+    run is long enough for its replacement to join."""
+    extra = ("fleet.replica_actors=true", "rollout.replicas=2", "run.steps=120", "run.checkpoint_every=60")
+    extra += ("run.stall_timeout_s=60",)  # a loaded machine can be slow to start the first step
+    cfg = load_config(None, _overrides(tiny_task_model, tmp_path, "replica", *extra))
+    fault = _fault_after_step(tmp_path / "replica", "ray::EngineHost", signal.SIGKILL, step=1, of=2)
+    result = RLTrainer(cfg, reward=length_reward).fit()
+    fault.join()
+    _assert_each_sample_once(result.run_dir, run_steps=120)
+    proxy = next(r for r in _records(result.run_dir) if r["kind"] == "proxy")
+    assert proxy.get("replicas_lost") == 1 and proxy.get("replicas_added") == 1, proxy

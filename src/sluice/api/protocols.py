@@ -71,6 +71,11 @@ class Replica(Protocol):
     async def stats(self) -> dict[str, float]: ...
 
 
+class ReplicaLost(RuntimeError):
+    """Raised by any ``Replica`` verb when the replica's process died: nothing it held survives,
+    so its requests must continue on another replica (``LLMProxy`` does that)."""
+
+
 @runtime_checkable
 class TrainEngine(Protocol):
     """Owns the trainable policy and its optimizer; the trainer drives one optimizer update as

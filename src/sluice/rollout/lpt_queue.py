@@ -80,6 +80,14 @@ class LongestFirstQueue:
             if not heap:
                 del open_lanes[key]
 
+    def fail(self, error: BaseException) -> None:
+        """End every waiting request with ``error`` (no replica will ever take them)."""
+        for _, _, _, future in [*self._arrived, *(entry for heap in self._lanes.values() for entry in heap)]:
+            if not future.done():
+                future.set_exception(error)
+        self._arrived.clear()
+        self._lanes.clear()
+
     def observe(self, prompt_ids: Sequence[int], length: int) -> None:
         """Learn from a finished response (not from aborted ones: their length is unknown)."""
         self.predictor.observe(prompt_ids, length)

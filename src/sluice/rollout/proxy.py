@@ -20,6 +20,10 @@
   routing to it; ``remove_replica`` stops routing to one, aborts its in-flight requests and
   continues each elsewhere from its partial response (prompt + tokens so far, tokens keep their
   versions): nothing is lost, every move is counted (``rerouted``, ``rerouted_tokens``).
+- **Replicas that die** (a verb raised ``ReplicaLost``): dropped at once, their requests continue
+  elsewhere from the tokens they had before it (``replicas_lost``); with a ``replace`` factory a
+  new replica joins with the newest weights (``replicas_added``), at most ``replacements`` times.
+  With none left and none coming, every request fails with ``ReplicaLost``.
 - **Weight updates** (DESIGN.md): ``interrupt`` and ``defer`` go to every replica at once;
   ``staggered`` updates ``stagger`` replicas at a time, routing around them while they drain
   and swap, so generation never stops everywhere.
@@ -33,31 +37,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Coroutine, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
-from sluice.api import Completion, GenerationRequest, LengthPredictor, Replica
+from sluice.api import Completion, GenerationRequest, LengthPredictor, Replica, ReplicaLost
 from sluice.api.protocols import WeightUpdateMode
-from sluice.rollout.lpt_queue import LongestFirstQueue
 from sluice.rollout.replicas import as_replica, merge_engine_stats
-from sluice.rollout.routing import AffinityRouter, ReplicaState, continuation
+from sluice.rollout.routing import AffinityRouter, Flight, ReplicaState, continuation
 from sluice.rollout.skew_dispatch import LongTailSplit
+from sluice.rollout.slot_dispatch import SlotDispatch
 
 logger = logging.getLogger(__name__)
 
 _MODES = ("interrupt", "defer", "staggered")
-
-
-@dataclass(eq=False)
-class _Flight:
-    request: GenerationRequest
-    replica_id: int | None = None
-    user_aborted: bool = False
-    displaced: bool = False
-    predicted: float | None = None  # response length, when a length predictor orders requests
-    tail: bool = False  # predicted to be in the long tail (skewness-aware dispatch)
-    waiting: asyncio.Future[Any] | None = None  # its turn in the longest-first queue
+_NONE_LEFT = "every engine replica died and none replaces them"
 
 
 class LLMProxy:
@@ -74,11 +67,11 @@ class LLMProxy:
         length_predictor: LengthPredictor | None = None,
         slots: int | None = None,
         long_tail: LongTailSplit | None = None,
+        replace: Callable[[], Awaitable[Any]] | None = None,
+        replacements: int = 3,
     ) -> None:
         if stagger < 1:
             raise ValueError(f"stagger must be >= 1, got {stagger}")
-        if length_predictor is not None and (slots is None or slots < 1):
-            raise ValueError(f"longest-first dispatch needs slots >= 1 per replica, got {slots}")
         if long_tail is not None and length_predictor is None:
             raise ValueError("skewness-aware dispatch needs a length predictor (the long tail is predicted)")
         self.stagger = stagger
@@ -89,7 +82,7 @@ class LLMProxy:
         self._next_id = 0
         for engine in replicas:  # construction-time replicas hold ``version`` already
             self._new_state(as_replica(engine), version).accepting = True
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Flight] = {}
         self._router = AffinityRouter(prompt_replication)
         self._weights: Mapping[str, Any] | None = None
         self._paused = False
@@ -97,7 +90,6 @@ class LLMProxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._updating: asyncio.Task[None] | None = None
         self._counts: Counter[str] = Counter()
-        self._long_tail = long_tail
         if long_tail is not None:
             if self._states and long_tail.replicas >= len(self._states):
                 raise ValueError(  # fleet.long_tail_replicas >= rollout.replicas
@@ -105,25 +97,32 @@ class LLMProxy:
                 )
             for replica_id in self._states:
                 long_tail.join(replica_id)
-        lane = self._lane if long_tail is not None else None
-        self._lpt = LongestFirstQueue(length_predictor, lane) if length_predictor is not None else None
+        self._dispatch = (
+            None
+            if length_predictor is None
+            else SlotDispatch(length_predictor, slots, self._states, self._router, lambda: self._paused, long_tail)
+        )
+        self._long_tail = long_tail
         self.slots = slots or 0
-        self._release_soon = False
+        self._replace, self._replacements, self._replacing = replace, replacements, 0
 
     @property
     def replica_ids(self) -> list[int]:
         return list(self._states)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """The replicas routed to now (a lost one is gone from this list)."""
+        return [state.replica for state in self._states.values()]
 
     async def generate(self, request: GenerationRequest) -> Completion:
         """Route ``request``, and continue it elsewhere if its replica is removed mid-way."""
         rid = request.request_id
         if rid in self._flights:
             raise ValueError(f"request {rid!r} is already in flight")
-        flight = self._flights[rid] = _Flight(request)
-        if self._lpt is not None:
-            flight.predicted = self._lpt.predict(request.prompt_ids, request.params.max_new_tokens)
-            if self._long_tail is not None:
-                self._long_tail.record(request.prompt_ids)
+        flight = self._flights[rid] = Flight(request)
+        if self._dispatch is not None:
+            flight.predicted = self._dispatch.predict(request)
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -148,8 +147,8 @@ class LLMProxy:
                     break
         finally:
             del self._flights[rid]
-        if self._lpt is not None and reason != "abort":
-            self._lpt.observe(request.prompt_ids, len(tokens))
+        if self._dispatch is not None and reason != "abort":
+            self._dispatch.observe(request, len(tokens))
         args = (tuple(tokens), tuple(logprobs), tuple(versions), reason)
         return Completion(rid, request.prompt_ids, *args)  # type: ignore[arg-type]
 
@@ -161,19 +160,20 @@ class LLMProxy:
         if flight.waiting is not None and not flight.waiting.done():
             flight.waiting.set_result(None)
         if flight.replica_id is not None:
-            self._spawn(self._states[flight.replica_id].replica.abort(request_id))
+            state = self._states[flight.replica_id]
+            self._spawn(self._guard(state, state.replica.abort(request_id)))
         self._notify()
 
     def pause(self) -> None:
         """Hold new requests here and pause every replica (running requests stay where they are)."""
         self._paused = True
         for state in self._states.values():
-            self._spawn(state.replica.pause())
+            self._spawn(self._guard(state, state.replica.pause()))
 
     def resume(self) -> None:
         self._paused = False
         for state in self._states.values():
-            self._spawn(state.replica.resume())
+            self._spawn(self._guard(state, state.replica.resume()))
         self._notify()
 
     def update_weights(self, weights: Mapping[str, Any], version: int, mode: WeightUpdateMode = "interrupt") -> None:
@@ -184,15 +184,8 @@ class LLMProxy:
         """Proxy counters; ``version`` is the oldest version a replica holds, ``pending_version``
         the one being rolled out (-1: none)."""
         held = min((s.version for s in self._states.values()), default=self.version)
-        lpt = (
-            {}
-            if self._lpt is None
-            else {"lpt_waiting": float(len(self._lpt)), "lpt_observed": float(self._lpt.observed)}
-        )
-        if self._long_tail is not None:
-            lpt["long_tail_replicas"] = float(len(self._long_tail.dedicated))
         return {
-            **lpt,
+            **(self._dispatch.stats() if self._dispatch is not None else {}),
             "replicas": float(len(self._states)),
             "accepting": float(sum(s.accepting for s in self._states.values())),
             "in_flight": float(len(self._flights)),
@@ -203,7 +196,8 @@ class LLMProxy:
 
     async def engine_stats(self) -> dict[str, float]:
         """Every replica's ``stats()`` merged (``merge_engine_stats``)."""
-        return merge_engine_stats(await asyncio.gather(*(s.replica.stats() for s in self._states.values())))
+        every = await asyncio.gather(*(self._guard(s, s.replica.stats()) for s in list(self._states.values())))
+        return merge_engine_stats(stats for stats in every if stats is not None)
 
     async def add_replica(self, engine: Any) -> int:
         """Start routing to ``engine`` (an engine, actor handle or ``Replica``) once it holds the
@@ -257,14 +251,14 @@ class LLMProxy:
             self._updating = self._spawn(self._staggered(waves, weights, version))
             return
         engine_mode: WeightUpdateMode = "defer" if mode == "staggered" else mode
-        await asyncio.gather(*(s.replica.update_weights(weights, version, engine_mode) for s in states))
+        await asyncio.gather(*(self._guard(s, s.replica.update_weights(weights, version, engine_mode)) for s in states))
         self._updating = self._spawn(self._wait_all(states, version))
 
     async def _staggered(self, waves: list[list[ReplicaState]], weights: Mapping[str, Any], version: int) -> None:
         for wave in waves:
             for state in wave:
                 state.accepting = False
-            await asyncio.gather(*(s.replica.update_weights(weights, version, "defer") for s in wave))
+            await asyncio.gather(*(self._guard(s, s.replica.update_weights(weights, version, "defer")) for s in wave))
             await self._wait_all(wave, version)
             for state in wave:
                 state.accepting = state.replica_id in self._states
@@ -275,72 +269,30 @@ class LLMProxy:
         await asyncio.gather(*(self._wait_version(s, version) for s in states))
 
     async def _wait_version(self, state: ReplicaState, version: int) -> None:
-        while (await state.replica.stats())["version"] < version:
+        while (stats := await self._guard(state, state.replica.stats())) is not None and stats["version"] < version:
             await asyncio.sleep(self.poll_s)
         state.version = max(state.version, version)
 
-    async def _route(self, flight: _Flight) -> ReplicaState | None:
+    async def _route(self, flight: Flight) -> ReplicaState | None:
         """The replica for ``flight`` (waiting while paused or none accepts); ``None`` if it was
         aborted while it waited. Longest-first: waits for its turn in the queue instead."""
-        if self._lpt is not None:
-            flight.waiting = self._lpt.wait(flight.predicted or 0.0, flight)
-            if not self._release_soon:  # next loop iteration: requests arriving together are ranked together
-                self._release_soon = True
-                asyncio.get_running_loop().call_soon(self._release)
-            try:
-                state: ReplicaState | None = await flight.waiting
-            except asyncio.CancelledError:  # released, then cancelled before it could run
-                self._unreserve(flight.waiting)
-                raise
-            if flight.user_aborted:  # aborted between its release and now
-                self._unreserve(flight.waiting)
-                return None
-            return state
+        if self._fleet_dead():
+            raise ReplicaLost(_NONE_LEFT)
+        if self._dispatch is not None:
+            return await self._dispatch.turn(flight)
         while not flight.user_aborted:
             state = None if self._paused else self._router.pick(flight.request, self._accepting())
             if state is not None:
                 return state
+            if self._fleet_dead():
+                raise ReplicaLost(_NONE_LEFT)
             await self._wait_change()
         return None
 
-    def _release(self) -> None:
-        self._release_soon = False
-        if self._lpt is not None:
-            self._lpt.release(self._take_slot)
-
-    def _unreserve(self, turn: asyncio.Future[Any]) -> None:
-        """Give back the slot a released request will not use."""
-        if turn.done() and not turn.cancelled() and turn.result() is not None:
-            turn.result().reserved -= 1
-            self._notify()
-
-    def _lane(self, flight: _Flight) -> bool:
-        """Skewness-aware dispatch: whether ``flight`` belongs to the predicted long tail."""
-        assert self._long_tail is not None and self._lpt is not None
-        flight.tail = self._long_tail.is_tail(flight.request.prompt_ids, self._lpt.predictor)
-        return flight.tail
-
-    def _take_slot(self, flight: _Flight) -> ReplicaState | None:
-        """Longest-first: a replica with a free slot for ``flight`` (reserved), or ``None``; with
-        skewness-aware dispatch, on its lane's side under that replica's cap."""
-        if self._paused:
-            return None
-        split = self._long_tail
-        free = []
-        for replica_id in list(self._states) if split is None else split.pool(self._states, flight.tail):
-            state = self._states[replica_id]
-            cap = self.slots if split is None else split.cap(replica_id, self.slots)
-            if state.accepting and len(state.flights) + state.reserved < cap:
-                free.append(state)
-        picked = self._router.pick(flight.request, free)
-        if picked is not None:
-            picked.reserved += 1
-        return picked
-
-    async def _run_on(self, state: ReplicaState, flight: _Flight, request: GenerationRequest) -> Completion:
+    async def _run_on(self, state: ReplicaState, flight: Flight, request: GenerationRequest) -> Completion:
         budget = request.params.max_new_tokens
         rid, cost = request.request_id, len(request.prompt_ids) + min(flight.predicted or budget, budget)
-        if self._lpt is not None:
+        if self._dispatch is not None:
             state.reserved -= 1
         state.outstanding += cost
         state.flights.add(rid)
@@ -350,12 +302,55 @@ class LLMProxy:
             self._counts["long_tail_routed"] += 1
         try:
             return await state.replica.generate(request)
+        except ReplicaLost:  # continue elsewhere from the tokens before this replica
+            self._lose(state)
+            return Completion(rid, request.prompt_ids, (), (), (), "abort")
         finally:
             state.outstanding -= cost
             state.flights.discard(rid)
             flight.replica_id = None
             self._router.release(request.affinity, state.replica_id)
             self._notify()
+
+    async def _guard(self, state: ReplicaState, call: Awaitable[Any]) -> Any:
+        """``call`` on ``state``'s replica; ``None`` (and the replica dropped) if its process died."""
+        try:
+            return await call
+        except ReplicaLost:
+            self._lose(state)
+            return None
+
+    def _lose(self, state: ReplicaState) -> None:
+        """A replica's process died: forget it, displace its requests (each continues elsewhere),
+        start a replacement while allowed; with none left and none coming, fail the waiting."""
+        if self._states.get(state.replica_id) is not state:
+            return  # already lost
+        del self._states[state.replica_id]
+        state.accepting = False
+        self._router.forget(state.replica_id)
+        if self._long_tail is not None:
+            self._long_tail.leave(state.replica_id)
+        for rid in state.flights:
+            self._flights[rid].displaced = True
+        self._counts["replicas_lost"] += 1
+        replace = self._replace is not None and self._counts["replicas_lost"] <= self._replacements
+        logger.warning("engine replica %d died; %s", state.replica_id, "replacing it" if replace else "not replaced")
+        if replace:
+            self._replacing += 1
+            self._spawn(self._replace_lost())
+        self._notify()
+
+    async def _replace_lost(self) -> None:
+        assert self._replace is not None
+        try:
+            await self.add_replica(await self._replace())
+        finally:
+            self._replacing -= 1
+            self._notify()
+
+    def _fleet_dead(self) -> bool:
+        """Replicas died, none is left and none is coming."""
+        return not self._states and not self._replacing and self._counts["replicas_lost"] > 0
 
     def _accepting(self) -> list[ReplicaState]:
         return [s for s in self._states.values() if s.accepting]
@@ -372,7 +367,10 @@ class LLMProxy:
         await future
 
     def _notify(self) -> None:
-        self._release()
+        if self._dispatch is not None:
+            if self._fleet_dead():
+                self._dispatch.fail(ReplicaLost(_NONE_LEFT))
+            self._dispatch.release()
         waiters, self._waiters = self._waiters, []
         for future in waiters:
             if not future.done():

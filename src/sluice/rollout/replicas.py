@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sluice.api import Completion, GenerationRequest, InferenceEngine, Replica
+from sluice.api import Completion, GenerationRequest, InferenceEngine, Replica, ReplicaLost
 from sluice.api.protocols import WeightUpdateMode
 
 
@@ -44,7 +44,9 @@ class LocalReplica:
 
 
 class RayReplica:
-    """A Ray actor handle of an ``InferenceEngine`` class; weights travel through the object store."""
+    """A Ray actor handle of an ``InferenceEngine`` class; weights travel through the object store.
+    A call on an actor whose process died raises ``ReplicaLost`` (Ray's ``RayActorError``: the
+    actor is not restarted, its engine state is gone)."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
@@ -52,26 +54,37 @@ class RayReplica:
     async def generate(self, request: GenerationRequest) -> Completion:
         ref = self.handle.generate.remote(request)
         try:
-            return await ref
+            result: Completion = await _answer(ref)
+            return result
         except asyncio.CancelledError:  # awaiting a ref does not stop the remote call
             self.handle.abort.remote(request.request_id)
             raise
 
     async def abort(self, request_id: str) -> None:
-        await self.handle.abort.remote(request_id)
+        await _answer(self.handle.abort.remote(request_id))
 
     async def pause(self) -> None:
-        await self.handle.pause.remote()
+        await _answer(self.handle.pause.remote())
 
     async def resume(self) -> None:
-        await self.handle.resume.remote()
+        await _answer(self.handle.resume.remote())
 
     async def update_weights(self, weights: Mapping[str, Any], version: int, mode: WeightUpdateMode) -> None:
-        await self.handle.update_weights.remote(dict(weights), version, mode)
+        await _answer(self.handle.update_weights.remote(dict(weights), version, mode))
 
     async def stats(self) -> dict[str, float]:
-        result: dict[str, float] = await self.handle.stats.remote()
+        result: dict[str, float] = await _answer(self.handle.stats.remote())
         return result
+
+
+async def _answer(ref: Any) -> Any:
+    """The result of a Ray actor call; ``ReplicaLost`` when the actor's process died."""
+    from ray.exceptions import RayActorError
+
+    try:
+        return await ref
+    except RayActorError as err:
+        raise ReplicaLost(f"engine replica actor died: {type(err).__name__}") from err
 
 
 class EngineHost:
@@ -124,11 +137,12 @@ def start_engine_actors(
     return [host.remote(kind, model_dir, max_batch, dict(options), threads) for _ in range(count)]
 
 
-async def engine_fingerprint(engine: Any) -> tuple[int, float]:
-    """(version, weights checksum) of an in-process engine or an ``EngineHost`` actor handle."""
-    if isinstance(as_replica(engine), RayReplica):
-        stats, checksum = await engine.stats.remote(), await engine.weights_checksum.remote()
+async def engine_fingerprint(replica: Replica) -> tuple[int, float]:
+    """(version, weights checksum) of a replica over an in-process engine or an ``EngineHost``."""
+    if isinstance(replica, RayReplica):
+        stats, checksum = await replica.stats(), await _answer(replica.handle.weights_checksum.remote())
         return int(stats["version"]), float(checksum)
+    engine: Any = replica.engine if isinstance(replica, LocalReplica) else replica
     return int(engine.version), float(engine.weights_checksum())
 
 

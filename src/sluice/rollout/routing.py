@@ -3,7 +3,7 @@ least-outstanding-tokens choice with optional prompt affinity, and the continuat
 moved to another replica.
 
 - ``ReplicaState``: one replica as the proxy sees it (accepting or not, outstanding tokens, the
-  requests on it, slots reserved for released requests).
+  requests on it, slots reserved for released requests); ``Flight``: one request in the proxy.
 - ``AffinityRouter``: the accepting replica with the fewest outstanding tokens; without prompt
   replication, requests sharing an ``affinity`` key (a prompt's samples) stick to the replica the
   first of them went to while any of them is there (prefix sharing).
@@ -14,8 +14,10 @@ It holds no requests and awaits nothing: admission order, slots and weight updat
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.api import GenerationRequest, Replica
 from sluice.rollout.single_turn import sample_seed
@@ -30,6 +32,17 @@ class ReplicaState:
     outstanding: float = 0.0
     reserved: int = 0  # slots given to requests the longest-first queue released, not yet running
     flights: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Flight:
+    request: GenerationRequest
+    replica_id: int | None = None
+    user_aborted: bool = False
+    displaced: bool = False
+    predicted: float | None = None  # response length, when a length predictor orders requests
+    tail: bool = False  # predicted to be in the long tail (skewness-aware dispatch)
+    waiting: asyncio.Future[Any] | None = None  # its turn in the longest-first queue
 
 
 class AffinityRouter:

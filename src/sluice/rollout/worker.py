@@ -5,7 +5,8 @@ Its ``GroupRunner`` generates each prompt group, scores it, applies the dynamic 
 the surviving samples to the TransferQueue as each group completes (queue or batch scheduling);
 only a small ``GroupReport`` goes back to the controller (data never passes through the driver).
 The ``replicas`` engines live in this process and share its torch threads, or with
-``fleet.replica_actors`` each in its own Ray actor (``EngineHost``), driven through the proxy. The same
+``fleet.replica_actors`` each in its own Ray actor (``EngineHost``), driven through the proxy, which
+replaces a replica actor that dies (``ENGINE_REPLACEMENTS`` times at most). The same
 class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
 decide admission, quotas or versions: the controller does. With an ``EnvRolloutSpec`` (the
 ``agentic`` section) its runner is an ``EnvRunner`` instead: groups of multi-turn episodes
@@ -42,6 +43,10 @@ from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
 
+ENGINE_REPLACEMENTS = 3
+"""How many dead replica actors (``fleet.replica_actors``) a run replaces; the next death is the
+proxy's to handle with the replicas left."""
+
 
 class RolloutWorker:
     """Generates, scores and stores prompt groups with ``replicas`` engines behind one proxy."""
@@ -71,10 +76,18 @@ class RolloutWorker:
             raise ConfigError("reward.overlong_buffer: single-turn rollouts only (an environment scores its episodes)")
         self.tokenizer = load_tokenizer(model_dir)
         engine, max_batch, replicas = rollout.engine, rollout.max_batch, rollout.replicas
-        self.engines: list[Any] = (
-            start_engine_actors(
-                replicas, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads
+
+        def engine_actors(count: int) -> list[Any]:
+            return start_engine_actors(
+                count, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads
             )
+
+        async def replacement() -> Any:
+            self.engines += engine_actors(1)
+            return self.engines[-1]
+
+        self.engines: list[Any] = (
+            engine_actors(replicas)
             if fleet.replica_actors
             else [
                 build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
@@ -88,6 +101,8 @@ class RolloutWorker:
             length_predictor=OnlineLengthRanker() if fleet.lpt else None,
             slots=max_batch,
             long_tail=long_tail_split(fleet, max_batch),
+            replace=replacement if fleet.replica_actors else None,
+            replacements=ENGINE_REPLACEMENTS,
         )
         self.fleet = fleet
         if not params.stop_token_ids:
@@ -163,7 +178,7 @@ class RolloutWorker:
 
     async def weights_fingerprint(self) -> tuple[int, float]:
         """(oldest version a replica holds, float64 sum of the parameters, which all replicas share)."""
-        prints = await asyncio.gather(*(engine_fingerprint(e) for e in self.engines))
+        prints = await asyncio.gather(*(engine_fingerprint(replica) for replica in self.proxy.replicas))
         sums = {checksum for version, checksum in prints if version == prints[0][0]}
         assert len(sums) == 1, f"replicas holding one version disagree on its weights: {sums}"
         return min(version for version, _ in prints), sums.pop()
