@@ -126,3 +126,41 @@ def test_a_ray_actor_that_died_is_a_lost_replica() -> None:
         asyncio.run(replica.stats())
     with pytest.raises(ReplicaLost):
         asyncio.run(replica.generate(_req("r", seed=0)))
+
+
+def test_a_replica_actor_silent_for_the_timeout_is_killed(monkeypatch) -> None:
+    """``watch_replicas``: the replica that stops answering its heartbeat is killed (the proxy then
+    meets its death and replaces it); the one that answers is left alone."""
+    import ray
+
+    from sluice.rollout import replicas as module
+
+    class Handle:
+        def __init__(self, answers: bool) -> None:
+            self.answers = answers
+            self.heartbeat = self
+
+        def options(self, **_):
+            return self
+
+        def remote(self):
+            async def beat():
+                if not self.answers:
+                    await asyncio.Event().wait()  # stopped: never answers
+                return 1.0
+
+            return beat()
+
+    stopped, working = Handle(False), Handle(True)
+    killed: list[Handle] = []
+    monkeypatch.setattr(ray, "kill", killed.append)
+    counts: dict[str, float] = {}
+    replicas = [module.RayReplica(stopped), module.RayReplica(working)]
+
+    async def main():
+        watch = asyncio.ensure_future(module.watch_replicas(lambda: replicas, 0.2, counts))
+        await asyncio.sleep(0.5)
+        watch.cancel()
+
+    asyncio.run(main())
+    assert killed and set(killed) == {stopped} and counts["replicas_silent"] >= 1

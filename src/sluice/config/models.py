@@ -188,7 +188,9 @@ class RunConfig(_Section):
 
     stall_timeout_s: float = Field(default=300.0, gt=0.0)
     """A worker that sends no heartbeat, or a training loop that makes no progress, for this many
-    seconds ends the run with one line naming it (a stopped or hung process)."""
+    seconds ends the run with one line naming it (a stopped or hung process); a rollout worker, or
+    an engine replica actor (``fleet.replica_actors``) silent for half of it, is killed and
+    replaced instead."""
 
     resume: str | None = None
     """``auto``: continue this run dir from its newest complete checkpoint (start fresh if there is

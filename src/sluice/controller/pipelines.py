@@ -272,6 +272,7 @@ def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "threads": spec.rollout_threads,
         "trace": cfg.run.trace,
         "trace_max_events": cfg.run.trace_max_events,
+        "replica_timeout_s": cfg.run.stall_timeout_s / 2,  # before the loop's own watchdog
     }
 
 

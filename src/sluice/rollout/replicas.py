@@ -2,20 +2,28 @@
 Ray actor whose class implements ``InferenceEngine`` (``ray.remote(HFInferenceEngine)``,
 ``ray.remote(SimEngine)``, ``EngineHost``, ...). They translate calls only; routing and bookkeeping
 are the proxy's. ``EngineHost`` builds any ``rollout.engine`` inside its own actor process
-(``start_engine_actors``), so replicas decode in parallel processes. ``merge_engine_stats`` folds
-many engines' ``stats()`` into one.
+(``start_engine_actors``), so replicas decode in parallel processes; ``watch_replicas`` kills one
+that stops answering its heartbeat (the proxy then replaces it as a dead one).
+``merge_engine_stats`` folds many engines' ``stats()`` into one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import logging
 import sys
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sluice.api import Completion, GenerationRequest, InferenceEngine, Replica, ReplicaLost
 from sluice.api.protocols import WeightUpdateMode
+
+logger = logging.getLogger(__name__)
+HEALTH = "health"
+"""The concurrency group of ``EngineHost.heartbeat`` (answered beside the decoding)."""
 
 
 class LocalReplica:
@@ -123,6 +131,9 @@ class EngineHost:
     def weights_checksum(self) -> float:
         return float(self.engine.weights_checksum())
 
+    def heartbeat(self) -> float:
+        return time.process_time()  # in the HEALTH group: answered while the engine decodes
+
 
 def start_engine_actors(
     count: int, kind: str, model_dir: str, *, max_batch: int, options: Mapping[str, Any], threads: int
@@ -133,7 +144,7 @@ def start_engine_actors(
     environment of their own, so Ray can start them in its already running idle workers."""
     import ray
 
-    host: Any = ray.remote(num_cpus=0)(EngineHost)
+    host: Any = ray.remote(num_cpus=0, concurrency_groups={HEALTH: 1})(EngineHost)
     return [host.remote(kind, model_dir, max_batch, dict(options), threads) for _ in range(count)]
 
 
@@ -144,6 +155,37 @@ async def engine_fingerprint(replica: Replica) -> tuple[int, float]:
         return int(stats["version"]), float(checksum)
     engine: Any = replica.engine if isinstance(replica, LocalReplica) else replica
     return int(engine.version), float(engine.weights_checksum())
+
+
+async def watch_replicas(replicas: Callable[[], list[Replica]], timeout_s: float, counts: dict[str, float]) -> None:
+    """Forever: ping every Ray actor replica's heartbeat; kill one silent for ``timeout_s`` (stopped
+    or hung: its calls then fail and the proxy replaces it), counting ``replicas_silent``."""
+    import ray
+
+    interval = min(5.0, timeout_s / 4)
+    heard: dict[int, float] = {}
+    while True:
+        handles = {id(r): r.handle for r in replicas() if isinstance(r, RayReplica)}
+        pings = {key: asyncio.ensure_future(_ping(handle)) for key, handle in handles.items()}
+        await asyncio.sleep(interval)
+        now = time.monotonic()
+        for key, ping in pings.items():
+            if ping.done():
+                heard[key] = now
+            else:
+                ping.cancel()
+            if now - heard.setdefault(key, now) > timeout_s:
+                logger.warning("an engine replica sent no heartbeat for %.0f s: killed, to be replaced", timeout_s)
+                ray.kill(handles[key])
+                counts["replicas_silent"] = counts.get("replicas_silent", 0.0) + 1
+                del heard[key]
+
+
+async def _ping(handle: Any) -> None:
+    from ray.exceptions import RayActorError
+
+    with contextlib.suppress(RayActorError):  # a dead replica is the proxy's to find, not a silent one
+        await handle.heartbeat.options(concurrency_group=HEALTH).remote()
 
 
 def as_replica(engine: Any) -> Replica:

@@ -38,7 +38,7 @@ from sluice.rollout.filters import FILTERS
 from sluice.rollout.groups import GroupRunner
 from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.proxy import LLMProxy
-from sluice.rollout.replicas import engine_fingerprint, start_engine_actors
+from sluice.rollout.replicas import engine_fingerprint, start_engine_actors, watch_replicas
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
@@ -67,6 +67,7 @@ class RolloutWorker:
         threads: int = 1,
         trace: bool = True,
         trace_max_events: int | None = None,
+        replica_timeout_s: float | None = None,
         name: str = "rollout",
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
@@ -105,6 +106,9 @@ class RolloutWorker:
             replacements=ENGINE_REPLACEMENTS,
         )
         self.fleet = fleet
+        self._replica_timeout_s = replica_timeout_s if fleet.replica_actors else None
+        self._replica_watch: asyncio.Task[None] | None = None
+        self._watch_counts: dict[str, float] = {}
         if not params.stop_token_ids:
             params = SamplingParams(
                 params.max_new_tokens, params.temperature, params.top_p, (self.tokenizer.eos_token_id,)
@@ -134,6 +138,7 @@ class RolloutWorker:
 
     async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         """Start a wave of groups together, then report each as it completes (``GroupRunner``)."""
+        self._watch_replicas()
         async for report in self.runner.run_groups(groups):
             yield report
 
@@ -142,6 +147,7 @@ class RolloutWorker:
         self.runner.abort_groups(group_ids, reason)
 
     async def run_group(self, item: PromptItem, group_id: int) -> GroupReport:
+        self._watch_replicas()
         return await self.runner.run_group(item, group_id)
 
     async def load_version(self, sync: WeightSync, version: int, mode: str) -> dict[str, float]:
@@ -173,6 +179,7 @@ class RolloutWorker:
         """Every replica's counters merged, the proxy's (``proxy_*``: routing, moves) and the reward
         service's (``reward_*``)."""
         proxy = {f"proxy_{k}": v for k, v in self.proxy.stats().items() if k not in ("version", "pending_version")}
+        proxy.update({f"proxy_{k}": v for k, v in self._watch_counts.items()})
         episodes = self.env_runner.stats() if self.env_runner is not None else {}
         return {**await self.proxy.engine_stats(), **proxy, **self.reward.stats(), **episodes}
 
@@ -182,6 +189,12 @@ class RolloutWorker:
         sums = {checksum for version, checksum in prints if version == prints[0][0]}
         assert len(sums) == 1, f"replicas holding one version disagree on its weights: {sums}"
         return min(version for version, _ in prints), sums.pop()
+
+    def _watch_replicas(self) -> None:
+        """Start watching the replica actors' heartbeats (on this event loop, once)."""
+        if self._replica_timeout_s is not None and self._replica_watch is None:
+            watch = watch_replicas(lambda: self.proxy.replicas, self._replica_timeout_s, self._watch_counts)
+            self._replica_watch = asyncio.get_running_loop().create_task(watch)
 
     def drain_trace(self) -> list[dict[str, Any]]:
         return self.tracer.drain()
