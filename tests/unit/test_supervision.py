@@ -127,14 +127,29 @@ def test_a_worker_that_computes_is_progress_though_the_loop_waits_on_it():
     assert asyncio.run(supervised(one_long_step(), Watchdog(TIMEOUT, [trainer], lambda: still[0]))) == "stepped"
 
 
-def test_a_reset_direct_queue_connection_names_the_storage_unit():
-    """A storage unit's death can reach the driver as a worker's reset socket to it (the direct
-    same-node transport), not as a Ray actor error: it still gets its one line."""
-    from sluice.controller.ray_supervision import explain_death
+def test_a_reset_direct_queue_connection_names_the_storage_unit(tmp_path):
+    """A storage unit's death can reach the driver as a worker's failed direct call to it (the
+    same-node socket transport), inside a Ray task error, not as a Ray actor error: it still gets
+    its one line."""
+    import threading
+    from multiprocessing.connection import Listener
 
-    reset = ConnectionResetError('File "/x/src/sluice/queue/direct.py", line 113, in call')
+    from ray.exceptions import RayTaskError
+
+    from sluice.controller.ray_supervision import explain_death
+    from sluice.queue.direct import StorageUnreachable, call
+
+    address = str(tmp_path / "unit.sock")
+    with Listener(address, family="AF_UNIX") as listener:  # a unit that dies as the call arrives
+        dying = threading.Thread(target=lambda: listener.accept().close())
+        dying.start()
+        with pytest.raises(StorageUnreachable) as failed:
+            call(address, "get", 1)
+        dying.join()
+    remote = RayTaskError("step", "traceback", failed.value).as_instanceof_cause()  # as the driver meets it
     wrapped = RuntimeError("a step failed")
-    wrapped.__cause__ = reset
+    wrapped.__cause__ = remote
     stopped = explain_death(wrapped, {})
     assert stopped is not None and str(stopped).startswith("the queue storage unit died")
     assert explain_death(RuntimeError("something else"), {}) is None
+    assert explain_death(ConnectionResetError("some other socket"), {}) is None

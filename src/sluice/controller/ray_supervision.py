@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from sluice.controller.supervision import WorkerDied
+from sluice.queue.direct import StorageUnreachable
 
 ROLLOUT_RESTARTS = 3
 """How many times Ray restarts a dead rollout worker before its death stops the run."""
@@ -36,9 +37,6 @@ ACTOR_ROLES = {
     "_Registry": "weight registry",
 }
 """What a dead actor's class is, in the one line that stops the run."""
-QUEUE_TRANSPORT = "sluice/queue/direct.py"
-"""Where a worker's direct (same-node socket) calls to a queue storage unit fail when it died:
-the error then reaches the driver as the worker's task error, not as a Ray actor death."""
 T = TypeVar("T")
 
 
@@ -85,7 +83,7 @@ def explain_death(err: BaseException, names: Mapping[str, str]) -> WorkerDied | 
 
     found: BaseException | None = err
     while found is not None and not isinstance(found, RayActorError):
-        if isinstance(found, ConnectionError) and QUEUE_TRANSPORT in str(found):  # a remote traceback
+        if isinstance(found, StorageUnreachable):  # a worker's direct call: its task error, not a death
             return WorkerDied("queue storage unit", "a worker's direct connection to it was reset")
         found = found.__cause__ or found.__context__
     if found is None:

@@ -108,6 +108,10 @@ def _connection(address: str) -> Connection:
     return conn
 
 
+class StorageUnreachable(ConnectionError):
+    """A direct call's socket failed mid-call: the queue actor serving it died (or closed)."""
+
+
 def call(address: str, method: str, *args: Any) -> Any:
     """``method(*args)`` on the object served at ``address``, from this thread's connection."""
     return call_many([DirectCall(address, method, args)])[0]
@@ -133,12 +137,14 @@ def call_many(calls: Sequence[DirectCall]) -> list[Any]:
         for conn, c in zip(conns, calls, strict=True):
             conn.send((c.method, c.args))
         replies = [conn.recv() for conn in conns]
-    except (EOFError, OSError, pickle.PicklingError):  # the connections' state is unknown: drop them
+    except (EOFError, OSError, pickle.PicklingError) as err:  # the connections' state is unknown: drop them
         for c in calls:
             dropped = _local.by_address.pop(c.address, None)
             if dropped is not None:
                 dropped.close()
-        raise
+        if isinstance(err, pickle.PicklingError):
+            raise
+        raise StorageUnreachable(f"a queue actor's direct socket failed ({type(err).__name__}: {err})") from err
     for ok, value in replies:
         if not ok:
             raise value
