@@ -35,3 +35,19 @@ def test_ray_replica_weights_and_removal(ray_cluster) -> None:
     assert moved == 3 and proxy.stats()["rerouted"] == 3 and remote["version"] == 1
     assert all(c.finish_reason == "stop" and set(c.versions) == {1} for c in done)
     assert sum(len(c.token_ids) for c in done) == remote["generated_tokens"] + local.stats()["generated_tokens"]
+
+
+def test_a_supervised_actor_gives_its_nodes_address_as_ray_knows_it(ray_cluster) -> None:
+    """Rendezvous addresses (the trainer ranks') come from Ray's node list, not the hostname."""
+    from sluice.controller.ray_supervision import supervised
+    from sluice.trainer.data_parallel import free_tcp_address
+
+    class Worker:
+        def node(self) -> str:
+            return ray_cluster.get_runtime_context().get_node_id()
+
+    actor = supervised(Worker).remote()
+    ip, node = ray_cluster.get([actor.node_ip.remote(), actor.node.remote()])
+    assert ip == next(n["NodeManagerAddress"] for n in ray_cluster.nodes() if n["NodeID"] == node)
+    assert free_tcp_address(ip).startswith(f"tcp://{ip}:")
+    ray_cluster.kill(actor)

@@ -91,7 +91,8 @@ class RayPipeline(_Pipeline):
         self.trainer_actors = [trainer_cls.remote(**kwargs) for _ in range(spec.data_parallel)]
         self.trainer_actor = self.trainer_actors[0]  # rank 0: publishes weights, saves
         if spec.data_parallel > 1:
-            meet = ray.get(self.trainer_actor.rendezvous_address.remote())
+            node_ip = ray.get(self.trainer_actor.node_ip.remote())  # Ray's address of rank 0's node
+            meet = ray.get(self.trainer_actor.rendezvous_address.remote(node_ip))
             ray.get(
                 [a.join_data_parallel.remote(meet, r, spec.data_parallel) for r, a in enumerate(self.trainer_actors)]
             )

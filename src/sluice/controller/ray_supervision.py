@@ -42,13 +42,18 @@ T = TypeVar("T")
 
 def supervised(cls: type) -> Any:
     """``cls`` as a Ray actor class with a ``heartbeat`` (its CPU seconds) for ``Watchdog``,
-    answered in a concurrency group of its own (beside the work)."""
+    answered in a concurrency group of its own (beside the work), and ``node_ip``."""
     import ray
 
     def heartbeat(self: object) -> float:
         return time.process_time()  # CPU seconds: the watchdog tells a working process from a hung one
 
-    with_heartbeat = type(cls.__name__, (cls,), {"heartbeat": heartbeat, "__module__": cls.__module__})
+    def node_ip(self: object) -> str:
+        """This actor's node's IP address as Ray knows it (rendezvous addresses use it)."""
+        return str(ray.util.get_node_ip_address())
+
+    members = {"heartbeat": heartbeat, "node_ip": node_ip, "__module__": cls.__module__}
+    with_heartbeat = type(cls.__name__, (cls,), members)
     return ray.remote(concurrency_groups={HEALTH: 1})(with_heartbeat)  # type: ignore[call-overload]
 
 

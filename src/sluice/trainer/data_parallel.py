@@ -29,9 +29,13 @@ PER_RANK = {"logprob_gap_mean": "mean", "logprob_gap_max": "max"}
 """Step metrics of each rank's own first micro-batch: averaged or maxed over the ranks."""
 
 
-def free_tcp_address() -> str:
-    """A ``tcp://host:port`` rendezvous on this node, on a port free right now."""
-    host = socket.gethostbyname(socket.gethostname())
+LOOPBACK = "127.0.0.1"
+
+
+def free_tcp_address(host: str = LOOPBACK) -> str:
+    """A ``tcp://host:port`` rendezvous on a port of this node free right now. ``host``: the
+    address this node is reached at by the other ranks (on Ray, the node's IP as Ray knows it,
+    never a guess from the hostname); the loopback when they all run on this node."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return f"tcp://{host}:{sock.getsockname()[1]}"

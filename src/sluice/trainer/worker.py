@@ -111,9 +111,10 @@ class TrainerWorker:
         if self.strategy != "single" and trainer.data_parallel == 1:  # one rank of its own group
             self.join_data_parallel(free_tcp_address(), 0, 1)
 
-    def rendezvous_address(self) -> str:
-        """Where the data-parallel ranks meet (asked of rank 0, on its node)."""
-        return free_tcp_address()
+    def rendezvous_address(self, host: str) -> str:
+        """Where the data-parallel ranks meet (asked of rank 0, on its node; ``host``: the node's
+        address as the cluster knows it)."""
+        return free_tcp_address(host)
 
     def join_data_parallel(self, address: str, rank: int, world_size: int) -> None:
         """Join the trainer ranks' process group; blocks until every rank has joined."""
