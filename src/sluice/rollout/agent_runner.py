@@ -1,6 +1,6 @@
 """Agents by import path: a user's OpenAI-client code plays episodes through the endpoint.
 
-``agentic.agent: package.module:run`` names a function ``run(client, row)``: ``client`` an
+``agentic.agent: package.module:run`` (or ``path/to/agent.py:run``) names a function ``run(client, row)``: ``client`` an
 ``openai`` client whose ``base_url`` is its episode's endpoint (``agent_endpoint.py``), ``row`` the
 dataset row (``prompt``, ``index`` and the row's fields). It returns the episode's reward, or
 ``None`` to leave it to the run's reward function, which then scores the last model turn's text.
@@ -22,11 +22,15 @@ import asyncio
 import concurrent.futures
 import copy
 import importlib
+import importlib.util
 import inspect
+import sys
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from sluice.api import InferenceEngine, PromptItem, RewardFn, Sample
@@ -38,17 +42,31 @@ AgentFn = Callable[[Any, dict[str, Any]], Any]
 
 
 def load_agent(path: str) -> AgentFn:
-    """The function ``module:attr`` names; a ``ValueError`` naming ``agentic.agent`` otherwise."""
-    module, _, attr = path.partition(":")
+    """The function ``package.module:attr`` (or ``path/to/file.py:attr``) names; a ``ValueError``
+    naming ``agentic.agent`` otherwise."""
+    module, _, attr = path.rpartition(":")
     if not module or not attr:
-        raise ValueError(f"agentic.agent: {path!r} is not 'package.module:function'")
+        raise ValueError(f"agentic.agent: {path!r} is not 'package.module:function' or 'file.py:function'")
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
+        fn = getattr(_module_from_file(module) if module.endswith(".py") else importlib.import_module(module), attr)
+    except (ImportError, AttributeError, OSError) as err:
         raise ValueError(f"agentic.agent: cannot load {path!r} ({err})") from err
     if not callable(fn):
         raise ValueError(f"agentic.agent: {path!r} is a {type(fn).__name__}, not a function")
     return fn  # type: ignore[no-any-return]
+
+
+def _module_from_file(file: str) -> Any:
+    name = f"sluice_agent_{Path(file).stem}_{zlib.crc32(file.encode())}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None or not Path(file).is_file():
+        raise ImportError(f"no Python file {file}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 class AgentLoop:

@@ -142,6 +142,7 @@ class AgentSession:
         self.last_text = ""
         self._lock = asyncio.Lock()
         self._pending: set[str] = set()
+        self._closed = False
 
     async def complete(self, request: ChatRequest) -> dict[str, Any]:
         """Answer one call: render, check the record, generate, record, parse tool calls."""
@@ -159,14 +160,18 @@ class AgentSession:
             ids = completion.token_ids
             closed = completion.finish_reason == "stop" and ids and ids[-1] in self.limits.params.stop_token_ids
             text = self.model.decode(ids[:-1] if closed else ids)
+            self._closed = bool(closed)
             self.trajectory.add_model_turn(completion, (), text)  # the next render closes a cut turn
             self.last_text = text
             return self._response(request, completion, text, len(prompt))
 
     def sample(self, reward: float, meta: Mapping[str, Any]) -> Sample:
-        """The episode's training sample (its last segment)."""
+        """The episode's training sample (its last segment); a last turn cut by the length cap is
+        closed with the turn-end token (mask 0), as an env episode's is."""
         if self.trajectory is None or not self.counts["calls"]:
             raise ValueError("the agent made no model call")
+        if self.trajectory.loss_mask and self.trajectory.loss_mask[-1] == 1 and not self._closed:
+            self.trajectory.add_env_tokens(self.limits.params.stop_token_ids[:1])
         uid = f"{self.group_id}-{self.k}"
         return self.trajectory.to_sample(uid, self.group_id, reward, {**meta, "finish_reason": self.finish})
 

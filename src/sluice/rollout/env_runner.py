@@ -29,16 +29,21 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, Sample
 from sluice.queue.samples import samples_to_rows
 from sluice.rollout.episode import EpisodeFailed, EpisodeRunner, TurnBarrier
+
+if TYPE_CHECKING:
+    from sluice.rollout.agent_runner import AgentEpisodeRunner
 from sluice.rollout.group_tasks import GroupTasks
 from sluice.telemetry.trace import SpanRecorder
 
 ENV_FAILURE = "env_failure"
-ENV_FAULTS = ("env_error", "env_timeout")
-"""Episode failures that are the environment's (the run's failure budget counts its groups)."""
+ENV_FAULTS = ("env_error", "env_timeout", "agent_error", "agent_timeout", "template_mismatch")
+"""Episode failures that are the environment's or the agent's (the run's failure budget counts
+their groups)."""
 
 
 class EnvRunner:
@@ -47,7 +52,7 @@ class EnvRunner:
 
     def __init__(
         self,
-        episodes: EpisodeRunner,
+        episodes: EpisodeRunner | AgentEpisodeRunner,
         queue: AsyncQueueClient,
         *,
         group_size: int,
@@ -139,9 +144,8 @@ class EnvRunner:
         (finished with the group's last kept one), ``aborted_straggler``, ``env_timeout`` /
         ``env_error`` / ``engine_abort`` (failed), ``group_failed`` / ``group_aborted`` (finished,
         but their group was discarded or stopped), ``cancelled`` (stopped with their group)."""
-        return {f"env_{k}": float(v) for k, v in self.counts.items()} | {
-            "env_close_errors": float(self.episodes.close_errors)
-        }
+        episodes = {k if k.startswith("agent_") else f"env_{k}": v for k, v in self.episodes.stats().items()}
+        return {f"env_{k}": float(v) for k, v in self.counts.items()} | episodes
 
     async def _stop(self, tasks: list[asyncio.Task[Sample]], kept: int, counter: str) -> None:
         """Cancel the episodes still running (their requests are aborted on the engines); count

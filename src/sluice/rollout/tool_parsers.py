@@ -7,7 +7,7 @@ expects ``message.tool_calls`` (``{"id", "type": "function", "function": {"name"
 - ``hermes``: Hermes / Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   blocks (any number, anywhere in the turn); the text outside them is the message content;
 - ``calculator``: the built-in tiny model's calculator format, a whole turn ``c<expression>``
-  → a call of the (first) offered tool with ``{"expression": ...}``;
+  → a call of the (first) offered tool with ``{"expression": ...}`` (as the calculator env reads it);
 - ``none``: every turn is plain text.
 
 A call that does not parse (bad JSON, no name, an unclosed block) stays in the content as text
@@ -90,13 +90,12 @@ def _call_json(body: str) -> tuple[str, Mapping[str, Any]] | None:
 
 
 def parse_calculator(text: str, tools: Sequence[Mapping[str, Any]], id_prefix: str = "call") -> ParsedTurn:
-    """A turn ``c<expression>`` calls the first offered tool with ``{"expression": expression}``;
-    a bare ``c`` is malformed; any other turn (or no tool offered) is content."""
+    """A turn ``c<expression>`` calls the first offered tool with ``{"expression": expression}``
+    (whatever follows ``c``, even nothing: the tool judges it, as the calculator env does, so this
+    format has no malformed calls); any other turn (or no tool offered) is content."""
     if not text.startswith("c") or not tools:
         return ParsedTurn(text)
-    expression = text[1:].strip()
-    if not expression:
-        return ParsedTurn(text, (), 1)
+    expression = text[1:]
     return ParsedTurn(None, (tool_call(f"{id_prefix}_0", _tool_name(tools[0]), {"expression": expression}),))
 
 
