@@ -83,7 +83,7 @@ def test_sluice_train_trains_the_agent(warm_start, tmp_path, backend, request):
     assert len(train) == 2 and all(r["response_len_mean"] > 0 for r in train)
     episodes = next(r for r in records if r["kind"] == "episodes")
     assert episodes["env_episodes_kept"] >= 2 * 4 * 4
-    assert episodes["agent_calls"] >= episodes["env_episodes_kept"] and episodes["agent_mismatches"] == 0
+    assert episodes["env_agent_calls"] >= episodes["env_episodes_kept"] and episodes["env_agent_mismatches"] == 0
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) >= 2 and evals[0]["accuracy"] > 0  # greedy agent episodes on the warm start
     weights = next(r for r in records if r["kind"] == "weights")

@@ -90,7 +90,7 @@ class AgenticConfig(Section):
     """How a model turn's tool calls become OpenAI ``tool_calls`` for an agent: ``hermes``
     (``<tool_call>{json}</tool_call>``, Qwen / Hermes chat models), ``calculator`` (the built-in
     tiny model's ``c<expression>``), ``none`` (text only). Malformed calls stay text and are counted
-    (``agent_malformed_tool_calls``)."""
+    (``env_agent_malformed_tool_calls``)."""
 
     chat_template: str | None = None
     """The Jinja chat template an agent's calls are rendered with. ``null``: the tokenizer's own;
@@ -100,7 +100,7 @@ class AgenticConfig(Section):
     """When an agent's call renders to a prompt that does not extend the tokens recorded so far
     (the template re-renders history differently): ``refuse`` answers the call with an error and
     fails the episode; ``restart`` starts a new segment from that prompt, dropping the earlier
-    turns from training. Either way it is counted (``agent_mismatches``)."""
+    turns from training. Either way it is counted (``env_agent_mismatches``)."""
 
 
 def check_agentic(config: SluiceConfig, task_env: str | None) -> None:

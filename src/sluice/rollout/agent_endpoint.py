@@ -15,9 +15,11 @@ answered when its turn is sampled. Errors are OpenAI-shaped JSON (``{"error": {"
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import secrets
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -32,14 +34,25 @@ HOST = "127.0.0.1"
 _ROUTE = "chat/completions"
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: every running episode may connect at once (default 5)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone before its answer (its episode was stopped) is expected; others are logged."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("agent endpoint: client %s left before its answer", client_address)
+            return
+        log.exception("agent endpoint: request from %s failed", client_address)
+
+
 class AgentEndpoint:
     """Sessions by key behind one loopback HTTP server (see the module docstring)."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, AgentSession] = {}
         self._guard = threading.Lock()
-        self._server = ThreadingHTTPServer((HOST, 0), _handler(self))
-        self._server.daemon_threads = True
+        self._server = _Server((HOST, 0), _handler(self))
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name="agent-endpoint", daemon=True)
         self._thread.start()
@@ -82,6 +95,9 @@ class AgentEndpoint:
         except EndpointError as err:
             self.errors += 1
             return err.status, _error(str(err), err.code)
+        except concurrent.futures.CancelledError:  # its episode was stopped (a straggler, an aborted group)
+            self.errors += 1
+            return 503, _error("the episode was stopped", "episode_stopped")
         except Exception as err:  # a bug behind the call: the agent sees a 500, the log the traceback
             self.errors += 1
             log.exception("agent endpoint: %s failed", path)

@@ -144,8 +144,7 @@ class EnvRunner:
         (finished with the group's last kept one), ``aborted_straggler``, ``env_timeout`` /
         ``env_error`` / ``engine_abort`` (failed), ``group_failed`` / ``group_aborted`` (finished,
         but their group was discarded or stopped), ``cancelled`` (stopped with their group)."""
-        episodes = {k if k.startswith("agent_") else f"env_{k}": v for k, v in self.episodes.stats().items()}
-        return {f"env_{k}": float(v) for k, v in self.counts.items()} | episodes
+        return {f"env_{k}": float(v) for k, v in (self.counts | self.episodes.stats()).items()}
 
     async def _stop(self, tasks: list[asyncio.Task[Sample]], kept: int, counter: str) -> None:
         """Cancel the episodes still running (their requests are aborted on the engines); count
