@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fakes
 from fakes import RecordingEngine
-from sluice.api import PromptItem, SamplingParams
+from sluice.api import PromptItem, RewardFailure, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.rollout.agent_runner import AgentEpisodeRunner
 from sluice.rollout.agent_session import ChatModel, SessionLimits
@@ -144,21 +144,27 @@ def test_agent_errors_timeouts_and_rewards():
         scored.append((response, fields["answer"]))
         return 7.0
 
+    async def broken(response, **fields):
+        raise RewardFailure("error", "broken", "ValueError: boom")
+
     runner = _runner(engine, timeout=0.5, reward=reward)
     deferring = _runner(engine, agent="fakes:deferring_agent", reward=reward)
+    unscorable = _runner(engine, agent="fakes:deferring_agent", reward=broken)
 
     async def main():
         with pytest.raises(EpisodeFailed, match=r"agent_error.*agent bug"):
             await runner.run(_item(0, **{"raise": True}), 0, 0)
         with pytest.raises(EpisodeFailed, match="agent_timeout"):
             await runner.run(_item(1, stall=5.0), 0, 1)
+        with pytest.raises(EpisodeFailed, match=r"reward_error.*boom"):
+            await unscorable.run(_item(3), 0, 3)
         return await deferring.run(_item(2), 0, 2)
 
     try:
         deferred = asyncio.run(main())
     finally:
-        runner.close()
-        deferring.close()
+        for each in (runner, deferring, unscorable):
+            each.close()
     assert deferred.reward == 7.0  # None → the run's reward function, on the last turn's text
     (request,) = [r for r in engine.requests if r.request_id == "g0-e2-c0"]
     last = deferred.response_ids

@@ -12,8 +12,9 @@ the engine's loop, which must keep sampling); a synchronous ``run`` gets an ``op
 client and runs in that loop's thread pool. Each episode has a timeout (``agentic.agent_timeout_s``).
 Fates: an agent that raises fails its episode (``agent_error``), one past its timeout
 ``agent_timeout`` (its task is cancelled and its requests aborted), a refused history
-``template_mismatch``; an agent that raises after the endpoint refused a call at ``max_turns``
-or the context keeps its episode (ended at that limit).
+``template_mismatch``, a reward function that fails on it ``reward_error``; an agent that raises
+after the endpoint refused a call at ``max_turns`` or the context keeps its episode (ended at
+that limit).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from sluice.api import InferenceEngine, PromptItem, RewardFn, Sample
+from sluice.api import InferenceEngine, PromptItem, RewardFailure, RewardFn, Sample
 from sluice.rollout.agent_endpoint import AgentEndpoint
 from sluice.rollout.agent_session import AgentSession, ChatModel, SessionLimits
 from sluice.rollout.episode import EpisodeFailed, TurnBarrier
@@ -165,8 +166,11 @@ class AgentEpisodeRunner:
     async def _score(self, session: AgentSession, item: PromptItem) -> float:
         if self.reward is None:
             raise EpisodeFailed("agent_error", "the agent returned None and the run has no reward function")
-        value = self.reward(session.last_text, **item.fields)  # the worker's RewardService is async
-        return float(await value if inspect.isawaitable(value) else value)
+        try:
+            value = self.reward(session.last_text, **item.fields)  # the worker's RewardService is async
+            return float(await value if inspect.isawaitable(value) else value)
+        except RewardFailure as failure:  # counted by the reward service; the episode cannot be kept
+            raise EpisodeFailed("reward_error", str(failure)) from failure
 
     async def _play(self, base_url: str, key: str, row: dict[str, Any]) -> Any:
         """On the agents' loop: a client for the episode (over one shared connection pool: a
