@@ -229,3 +229,39 @@ def test_http_routes_keys_and_bad_requests():
     assert unknown.status_code == 401 and "key" in unknown.json()["error"]["message"]
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("messages:")
     assert stream.status_code == 400 and "stream" in stream.json()["error"]["message"]
+
+
+def test_a_call_costs_milliseconds_not_a_delayed_ack():
+    """Headers and body leave in two writes; with Nagle's algorithm on, each answer waits for the
+    client's delayed ACK (~40 ms on Linux). The median keep-alive call stays far below that."""
+    import dataclasses
+    import statistics
+    import time
+
+    from sluice.rollout.agent_session import AgentSession
+
+    engine = fakes.FakeInferenceEngine(vocab=len(TOK))
+    runner = _runner(engine, mismatch="restart")
+    body = {"messages": [{"role": "user", "content": "12"}], "max_tokens": 2}
+
+    async def main():
+        limits = dataclasses.replace(runner.limits, max_turns=100)  # every call restarts: same prompt
+        session = AgentSession(engine, runner.model, limits, run_seed=0, group_id=0, k=0)
+        url = runner.endpoint.base_url(runner.endpoint.open(session)) + "/chat/completions"
+
+        def calls() -> list[float]:
+            times = []
+            with httpx.Client() as client:
+                for _ in range(15):
+                    started = time.perf_counter()
+                    assert client.post(url, json=body, timeout=10).status_code == 200
+                    times.append(time.perf_counter() - started)
+            return times
+
+        return await asyncio.to_thread(calls)
+
+    try:
+        times = asyncio.run(main())
+    finally:
+        runner.close()
+    assert statistics.median(times) < 0.03
