@@ -265,3 +265,25 @@ def test_a_call_costs_milliseconds_not_a_delayed_ack():
     finally:
         runner.close()
     assert statistics.median(times) < 0.03
+
+
+def test_a_group_failed_by_its_agent_names_the_agent():
+    from sluice.queue import AsyncLocalQueue, LocalQueue
+    from sluice.queue.samples import SAMPLE_COLUMNS
+    from sluice.rollout.env_runner import ENV_FAILURE, EnvRunner
+
+    queue = LocalQueue()
+    queue.register_task("train", SAMPLE_COLUMNS)
+    episodes = _runner(fakes.FakeInferenceEngine(vocab=len(TOK)))
+    runner = EnvRunner(episodes, AsyncLocalQueue(queue), group_size=2, name="fakes:calculator_agent", role="agent")
+
+    async def wave():
+        return [r async for r in runner.run_groups([(_item(0, **{"raise": True}), 0)])]
+
+    try:
+        (report,) = asyncio.run(wave())
+    finally:
+        episodes.close()
+    assert report.discard_reason == ENV_FAILURE
+    assert report.failed_by == "agent 'fakes:calculator_agent'" and report.error.startswith("agent_error:")
+    assert runner.stats()["env_episodes_agent_error"] >= 1.0 and runner.stats()["env_agent_calls"] == 0.0

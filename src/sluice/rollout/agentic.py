@@ -142,6 +142,7 @@ def build_env_runner(
         mode=spec.mode,
         tracer=tracer,
         name=spec.agent or spec.env,
+        role="agent" if spec.agent else "environment",
     )
 
 

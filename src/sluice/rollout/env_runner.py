@@ -60,6 +60,7 @@ class EnvRunner:
         mode: str = "async",
         tracer: SpanRecorder | None = None,
         name: str = "env",
+        role: str = "environment",
     ) -> None:
         if mode not in ("async", "barrier"):
             raise ValueError(f"unknown env rollout mode {mode!r}; expected 'async' or 'barrier'")
@@ -69,7 +70,9 @@ class EnvRunner:
         self.group_redundancy = group_redundancy
         self.mode = mode
         self.name = name
-        """The environment's name in a failed group's report (``agentic.env``)."""
+        """The environment's name in a failed group's report (``agentic.env``), or the agent's."""
+        self.role = role
+        """``environment``, or ``agent`` (``agentic.agent``): what a failed group's report blames."""
         self.tracer = tracer or SpanRecorder("rollout", enabled=False)
         self.counts: Counter[str] = Counter()
         self._groups = GroupTasks()
@@ -134,7 +137,7 @@ class EnvRunner:
             await self._clear(group_id, len(kept))
             report = self._report(group_id, kept, ENV_FAILURE)
             if env_error:
-                report = replace(report, failed_by=f"environment {self.name!r}", error=env_error)
+                report = replace(report, failed_by=f"{self.role} {self.name!r}", error=env_error)
             return report
         self.counts["episodes_kept"] += len(kept)
         return self._report(group_id, kept, None)
