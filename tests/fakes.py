@@ -173,11 +173,12 @@ class FakeLengthPredictor:
 
 class RecordingEngine:
     """Wraps an ``InferenceEngine`` (a ``SimEngine`` in the proxy tests) and records the requests
-    it served and the most it ran at once."""
+    it served, the completions it returned and the most it ran at once."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.served: list[str] = []
+        self.completions: list[Completion] = []
         self.running = 0
         self.peak = 0
 
@@ -187,6 +188,7 @@ class RecordingEngine:
         self.peak = max(self.peak, self.running)
         try:
             result: Completion = await self.engine.generate(request)
+            self.completions.append(result)
             return result
         finally:
             self.running -= 1
@@ -666,3 +668,61 @@ class DigitTokenizer:
 def half_digit_reward(response: str, **_: Any) -> float:
     """Reward of a one-digit response ``d``: ``d / 2`` (``2`` is the only correct answer)."""
     return int(response) / 2
+
+
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "evaluate a*b, a+b or a-b",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    },
+}
+
+
+async def calculator_agent(client: Any, row: dict[str, Any]) -> float | None:
+    """An OpenAI-client agent of the calculator task (up to 3 calls): tool calls are answered with
+    ``sluice.rollout.envs.calculator.calculate``; reward 1 for ``a<product>``. ``row["stall"]``
+    seconds of sleep first; ``row["raise"]`` makes it raise."""
+    from sluice.rollout.envs.calculator import calculate
+
+    if row.get("raise"):
+        raise RuntimeError("agent bug")
+    await asyncio.sleep(float(row.get("stall", 0.0)))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{row['a']}*{row['b']}"}]
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR_TOOL])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return float(message.content == f"a{row['a'] * row['b']}")
+        for call in message.tool_calls:
+            expression = json.loads(call.function.arguments)["expression"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expression)})
+    return 0.0
+
+
+def sync_calculator_agent(client: Any, row: dict[str, Any]) -> float:
+    """A synchronous agent: one call with an ``openai.OpenAI`` client; records its thread's name."""
+    import threading
+
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"{row['a']}*1"}])
+    SYNC_AGENT_THREADS.append(threading.current_thread().name)
+    return float(bool(reply.choices[0].message.content))
+
+
+SYNC_AGENT_THREADS: list[str] = []
+
+
+async def two_turn_agent(client: Any, row: dict[str, Any]) -> float:
+    """Two calls whatever the model says: its first reply goes back in the history, then ``1``."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": str(row["a"])}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="tiny", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "1"}]
+    return 1.0
+
+
+async def deferring_agent(client: Any, row: dict[str, Any]) -> None:
+    """One call, then leaves the reward to the run's reward function."""
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": str(row["a"])}])

@@ -1,8 +1,9 @@
 """The ``agentic`` config section: multi-turn environments, EnvRunner modes, redundancy, timeouts.
 
 Only declares and validates; ``rollout/agentic.py`` turns it into an ``EnvRunner`` inside the
-rollout worker. Defaults leave a single-turn task single-turn (``env: null``), and give the
-built-in multi-turn tasks (``task.name: calculator | guess_number``) their own environment.
+rollout worker (over environments, or a user's agent behind the OpenAI-compatible endpoint).
+Defaults leave a single-turn task single-turn (``env: null``), and give the built-in multi-turn
+tasks (``task.name: calculator | guess_number``) their own environment.
 """
 
 from __future__ import annotations
@@ -74,13 +75,44 @@ class AgenticConfig(Section):
     """Chat format: the token that ends a model turn (the sampling stop token); ``null``: the
     tokenizer's EOS token."""
 
+    agent: str | None = None
+    """Your own agent instead of an ``Env``: ``package.module:run``, a function ``run(client, row)``
+    given an ``openai`` client whose ``base_url`` is its episode's OpenAI-compatible endpoint and
+    the dataset row; it returns the reward, or ``None`` to let the run's reward function score the
+    last model turn. ``async def`` runs on the agents' own event loop, a plain ``def`` in its thread
+    pool. Needs the ``openai`` package (``pip install 'sluice[agent]'``). Excludes ``env``."""
+
+    agent_timeout_s: float | None = Field(default=300.0, gt=0.0)
+    """Seconds an agent's episode may take; a slower one is cancelled and fails its episode
+    (``env_episodes_agent_timeout``). ``null``: no limit."""
+
+    tool_parser: Literal["hermes", "calculator", "none"] = "hermes"
+    """How a model turn's tool calls become OpenAI ``tool_calls`` for an agent: ``hermes``
+    (``<tool_call>{json}</tool_call>``, Qwen / Hermes chat models), ``calculator`` (the built-in
+    tiny model's ``c<expression>``), ``none`` (text only). Malformed calls stay text and are counted
+    (``env_agent_malformed_tool_calls``)."""
+
+    chat_template: str | None = None
+    """The Jinja chat template an agent's calls are rendered with. ``null``: the tokenizer's own;
+    for the built-in multi-turn tasks, whose tokenizers have none, ``TINY_CHAT_TEMPLATE``."""
+
+    template_mismatch: Literal["refuse", "restart"] = "refuse"
+    """When an agent's call renders to a prompt that does not extend the tokens recorded so far
+    (the template re-renders history differently): ``refuse`` answers the call with an error and
+    fails the episode; ``restart`` starts a new segment from that prompt, dropping the earlier
+    turns from training. Either way it is counted (``env_agent_mismatches``)."""
+
 
 def check_agentic(config: SluiceConfig, task_env: str | None) -> None:
-    """A multi-turn run needs ``num_env_groups`` at least the step's groups. Raises
-    ``ConfigError`` naming the field."""
+    """A multi-turn run needs ``num_env_groups`` at least the step's groups; an agent excludes an
+    explicit ``env`` and the barrier mode. Raises ``ConfigError`` naming the field."""
     from sluice.config import ConfigError
 
     agentic = config.agentic
+    if agentic.agent is not None and agentic.env is not None:
+        raise ConfigError(f"agentic.agent: {agentic.agent!r} and agentic.env: {agentic.env!r} exclude each other")
+    if agentic.agent is not None and agentic.mode == "barrier":
+        raise ConfigError("agentic.mode: 'barrier' moves Env episodes in lockstep; an agent's turns are its own")
     if agentic.num_env_groups is not None and agentic.num_env_groups < config.rollout.prompts_per_step:
         raise ConfigError(
             f"agentic.num_env_groups: {agentic.num_env_groups} is below rollout.prompts_per_step "

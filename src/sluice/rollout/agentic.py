@@ -1,7 +1,8 @@
 """Multi-turn rollout inside the rollout worker: config → ``EnvRunner``, and held-out episodes.
 
 ``env_rollout_spec`` resolves the ``agentic`` config section against the task (its own env, if
-any) into a picklable ``EnvRolloutSpec``; ``build_env_runner`` builds the ``EpisodeRunner`` and
+any) into a picklable ``EnvRolloutSpec``; ``build_env_runner`` builds the ``EpisodeRunner`` (or,
+with ``agentic.agent``, the ``AgentEpisodeRunner`` behind the OpenAI-compatible endpoint) and the
 ``EnvRunner`` over the worker's engine (``LLMProxy``), queue and tokenizer;
 ``evaluate_episodes`` plays one greedy episode per validation row and ``eval.samples`` sampled
 ones (success = reward ≥ 1). It schedules nothing itself.
@@ -15,13 +16,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sluice.api import AsyncQueueClient, InferenceEngine, PromptItem, SamplingParams
+from sluice.api import AsyncQueueClient, InferenceEngine, PromptItem, RewardFn, SamplingParams
+from sluice.config import ConfigError
 from sluice.config.agentic import AgenticConfig
 from sluice.config.data import EvalConfig
+from sluice.rollout.agent_runner import AgentEpisodeRunner, load_agent
+from sluice.rollout.agent_session import ChatModel, SessionLimits
 from sluice.rollout.env_runner import EnvRunner
-from sluice.rollout.envs import env_factory
+from sluice.rollout.envs import ENVS, TINY_CHAT_TEMPLATE, env_factory
 from sluice.rollout.episode import EpisodeFailed, EpisodeLimits, EpisodeRunner
 from sluice.rollout.evaluate import EvalResult, score_prompts
+from sluice.rollout.tool_parsers import TOOL_PARSERS
 from sluice.rollout.trajectory import ChatFormat, text_encoder
 from sluice.telemetry.trace import SpanRecorder
 
@@ -43,16 +48,31 @@ class EnvRolloutSpec:
     reset_timeout_s: float | None = 60.0
     chat: ChatFormat = field(default_factory=ChatFormat)
     turn_end_from_tokenizer: bool = True
+    agent: str | None = None
+    """``agentic.agent``: episodes are this agent's, through the endpoint (``env`` is then unused)."""
+    agent_timeout_s: float | None = 300.0
+    tool_parser: str = "hermes"
+    chat_template: str | None = None
+    template_mismatch: str = "refuse"
 
 
 def env_rollout_spec(config: AgenticConfig, task_env: str | None, turn_tokens: int) -> EnvRolloutSpec | None:
-    """The spec of a multi-turn run, or ``None`` for a single-turn one (no env configured)."""
+    """The spec of a multi-turn run, or ``None`` for a single-turn one (no env, no agent configured)."""
     env = config.env or task_env
-    if env is None:
+    if env is None and config.agent is None:
         return None
+    template = config.chat_template or (TINY_CHAT_TEMPLATE if task_env in ENVS else None)
+    agent = config.agent
+    if agent is not None:  # imported here, at the run's start: a bad path is one clear error
+        file, _, attr = agent.rpartition(":")
+        agent = f"{Path(file).resolve()}:{attr}" if file.endswith(".py") else agent  # workers' cwd may differ
+        try:
+            load_agent(agent)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     chat = ChatFormat(config.chat_first, config.chat_observation, config.chat_tools, config.chat_turn_end or "")
     return EnvRolloutSpec(
-        env=env,
+        env=env or "",
         env_kwargs=dict(config.env_kwargs),
         mode=config.mode,
         max_turns=config.max_turns,
@@ -63,6 +83,11 @@ def env_rollout_spec(config: AgenticConfig, task_env: str | None, turn_tokens: i
         reset_timeout_s=config.reset_timeout_s,
         chat=chat,
         turn_end_from_tokenizer=config.chat_turn_end is None,
+        agent=agent,
+        agent_timeout_s=config.agent_timeout_s,
+        tool_parser=config.tool_parser,
+        chat_template=template,
+        template_mismatch=config.template_mismatch,
     )
 
 
@@ -77,8 +102,10 @@ def build_env_runner(
     run_seed: int,
     model_dir: str | Path,
     tracer: SpanRecorder | None = None,
+    reward: RewardFn | None = None,
 ) -> EnvRunner:
-    """An ``EnvRunner`` whose turns stop at the chat format's turn end (the sampling stop token)."""
+    """An ``EnvRunner`` whose turns stop at the chat format's turn end (the sampling stop token);
+    ``reward`` scores an agent's episode when the agent returns ``None``."""
     chat = replace(spec.chat, turn_end=tokenizer.eos_token) if spec.turn_end_from_tokenizer else spec.chat
     encode = text_encoder(tokenizer)
     stop = tuple(encode(chat.turn_end))
@@ -91,17 +118,22 @@ def build_env_runner(
         reset_timeout_s=spec.reset_timeout_s,
         step_timeout_s=spec.step_timeout_s,
     )
-    episodes = EpisodeRunner(
-        engine,
-        env_factory(spec.env, spec.env_kwargs),
-        encode_prompt=lambda text: list(tokenizer.encode(text)),
-        encode=encode,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        chat=chat,
-        params=SamplingParams(spec.turn_tokens, params.temperature, params.top_p, stop),
-        limits=limits,
-        run_seed=run_seed,
-    )
+    turn_params = SamplingParams(spec.turn_tokens, params.temperature, params.top_p, stop)
+    episodes: EpisodeRunner | AgentEpisodeRunner
+    if spec.agent is not None:
+        episodes = _agent_runner(spec, engine, tokenizer, turn_params, limits, reward, run_seed)
+    else:
+        episodes = EpisodeRunner(
+            engine,
+            env_factory(spec.env, spec.env_kwargs),
+            encode_prompt=lambda text: list(tokenizer.encode(text)),
+            encode=encode,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            chat=chat,
+            params=turn_params,
+            limits=limits,
+            run_seed=run_seed,
+        )
     return EnvRunner(
         episodes,
         queue,
@@ -109,34 +141,50 @@ def build_env_runner(
         group_redundancy=spec.group_redundancy,
         mode=spec.mode,
         tracer=tracer,
-        name=spec.env,
+        name=spec.agent or spec.env,
+        role="agent" if spec.agent else "environment",
     )
 
 
+def _agent_runner(
+    spec: EnvRolloutSpec,
+    engine: InferenceEngine,
+    tokenizer: Any,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    reward: RewardFn | None,
+    run_seed: int,
+) -> AgentEpisodeRunner:
+    assert spec.agent is not None
+    template = spec.chat_template or getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not template:
+        raise ConfigError(
+            f"agentic.agent: the model's tokenizer has no chat template to render {spec.agent!r}'s calls; "
+            "set agentic.chat_template"
+        )
+    model = ChatModel(tokenizer, template, TOOL_PARSERS[spec.tool_parser])
+    session = SessionLimits(limits.max_turns, limits.max_context, limits.turn_tokens, params,
+                            spec.template_mismatch)  # type: ignore[arg-type]  # fmt: skip
+    try:
+        return AgentEpisodeRunner(engine, spec.agent, model, session, reward=reward, timeout_s=spec.agent_timeout_s,
+                                  run_seed=run_seed)  # fmt: skip
+    except ValueError as err:  # an agent path that does not import, or no openai package
+        raise ConfigError(str(err)) from err
+
+
 async def evaluate_episodes(
-    episodes: EpisodeRunner, items: list[PromptItem] | tuple[PromptItem, ...], config: EvalConfig | None = None
+    episodes: EpisodeRunner | AgentEpisodeRunner,
+    items: list[PromptItem] | tuple[PromptItem, ...],
+    config: EvalConfig | None = None,
 ) -> EvalResult:
     """One greedy episode per row and ``config.samples`` sampled ones at ``config.temperature``;
     success = reward ≥ 1 (a failed episode counts as a miss), scored like single-turn rows."""
     config = config or EvalConfig()
     items = list(items)[: config.max_prompts]
 
-    def runner(temperature: float) -> EpisodeRunner:
-        return EpisodeRunner(
-            episodes.engine,
-            episodes.env_factory,
-            episodes.encode_prompt,
-            episodes.encode,
-            episodes.decode,
-            episodes.chat,
-            replace(episodes.params, temperature=temperature),
-            episodes.limits,
-            episodes.run_seed,
-        )
+    greedy, hot = episodes.with_temperature(0.0), episodes.with_temperature(config.temperature)
 
-    greedy, hot = runner(0.0), runner(config.temperature)
-
-    async def one(player: EpisodeRunner, item: PromptItem, k: int, tag: str) -> float:
+    async def one(player: EpisodeRunner | AgentEpisodeRunner, item: PromptItem, k: int, tag: str) -> float:
         group = item.index if player is greedy else -1 - item.index  # sampled: seeds apart from training's
         try:
             return (await player.run(item, group_id=group, k=k, tag=tag)).reward

@@ -29,16 +29,21 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from sluice.api import AsyncQueueClient, GroupReport, PromptItem, Sample
 from sluice.queue.samples import samples_to_rows
 from sluice.rollout.episode import EpisodeFailed, EpisodeRunner, TurnBarrier
+
+if TYPE_CHECKING:
+    from sluice.rollout.agent_runner import AgentEpisodeRunner
 from sluice.rollout.group_tasks import GroupTasks
 from sluice.telemetry.trace import SpanRecorder
 
 ENV_FAILURE = "env_failure"
-ENV_FAULTS = ("env_error", "env_timeout")
-"""Episode failures that are the environment's (the run's failure budget counts its groups)."""
+ENV_FAULTS = ("env_error", "env_timeout", "agent_error", "agent_timeout", "template_mismatch")
+"""Episode failures that are the environment's or the agent's (the run's failure budget counts
+their groups)."""
 
 
 class EnvRunner:
@@ -47,7 +52,7 @@ class EnvRunner:
 
     def __init__(
         self,
-        episodes: EpisodeRunner,
+        episodes: EpisodeRunner | AgentEpisodeRunner,
         queue: AsyncQueueClient,
         *,
         group_size: int,
@@ -55,6 +60,7 @@ class EnvRunner:
         mode: str = "async",
         tracer: SpanRecorder | None = None,
         name: str = "env",
+        role: str = "environment",
     ) -> None:
         if mode not in ("async", "barrier"):
             raise ValueError(f"unknown env rollout mode {mode!r}; expected 'async' or 'barrier'")
@@ -64,7 +70,9 @@ class EnvRunner:
         self.group_redundancy = group_redundancy
         self.mode = mode
         self.name = name
-        """The environment's name in a failed group's report (``agentic.env``)."""
+        """The environment's name in a failed group's report (``agentic.env``), or the agent's."""
+        self.role = role
+        """``environment``, or ``agent`` (``agentic.agent``): what a failed group's report blames."""
         self.tracer = tracer or SpanRecorder("rollout", enabled=False)
         self.counts: Counter[str] = Counter()
         self._groups = GroupTasks()
@@ -129,7 +137,7 @@ class EnvRunner:
             await self._clear(group_id, len(kept))
             report = self._report(group_id, kept, ENV_FAILURE)
             if env_error:
-                report = replace(report, failed_by=f"environment {self.name!r}", error=env_error)
+                report = replace(report, failed_by=f"{self.role} {self.name!r}", error=env_error)
             return report
         self.counts["episodes_kept"] += len(kept)
         return self._report(group_id, kept, None)
@@ -139,9 +147,7 @@ class EnvRunner:
         (finished with the group's last kept one), ``aborted_straggler``, ``env_timeout`` /
         ``env_error`` / ``engine_abort`` (failed), ``group_failed`` / ``group_aborted`` (finished,
         but their group was discarded or stopped), ``cancelled`` (stopped with their group)."""
-        return {f"env_{k}": float(v) for k, v in self.counts.items()} | {
-            "env_close_errors": float(self.episodes.close_errors)
-        }
+        return {f"env_{k}": float(v) for k, v in (self.counts | self.episodes.stats()).items()}
 
     async def _stop(self, tasks: list[asyncio.Task[Sample]], kept: int, counter: str) -> None:
         """Cancel the episodes still running (their requests are aborted on the engines); count

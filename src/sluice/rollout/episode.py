@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from sluice.api import Completion, Env, GenerationRequest, InferenceEngine, PromptItem, Sample, SamplingParams, ToolEnv
@@ -143,6 +143,19 @@ class EpisodeRunner:
             return traj.to_sample(f"{group_id}-{k}", group_id, reward, meta)
         finally:
             await self._close(env)
+
+    def with_temperature(self, temperature: float) -> EpisodeRunner:
+        """The same runner sampling at ``temperature`` (evaluation's greedy and sampled episodes)."""
+        return EpisodeRunner(
+            self.engine, self.env_factory, self.encode_prompt, self.encode, self.decode, self.chat,
+            replace(self.params, temperature=temperature), self.limits, self.run_seed,
+        )  # fmt: skip
+
+    def stats(self) -> dict[str, float]:
+        return {"close_errors": float(self.close_errors)}
+
+    def close(self) -> None:
+        """Nothing to release (environments close with their episodes)."""
 
     async def _generate(
         self, traj: Trajectory, budget: int, request_id: str, group_id: int, k: int, turn: int

@@ -122,7 +122,7 @@ class RolloutWorker:
         if agentic is not None:  # multi-turn: episodes of an environment
             self.runner = self.env_runner = build_env_runner(
                 agentic, self.proxy, queue, self.tokenizer, params, group_size=group_size, run_seed=run_seed,
-                model_dir=model_dir, tracer=self.tracer,
+                model_dir=model_dir, tracer=self.tracer, reward=self.reward,
             )  # fmt: skip
         else:
             workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed, penalty)
@@ -203,6 +203,8 @@ class RolloutWorker:
         """Stop the reward processes and replica actors (a killed Ray actor's reward processes and
         the actors it owns end on their own)."""
         self.reward.close()
+        if self.env_runner is not None:  # an agent runner's endpoint and event loop
+            self.env_runner.episodes.close()
         if self.fleet.replica_actors:
             import ray
 

@@ -17,8 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
-def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
-    """One token per character of ``alphabet`` plus ``<pad> <bos> <eos> <unk>``; prompts get ``<bos>``."""
+def build_char_tokenizer(alphabet: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per character of ``alphabet`` plus ``<pad> <bos> <eos> <unk>``; prompts get ``<bos>``.
+    ``chat_template`` (e.g. ``rollout.envs.TINY_CHAT_TEMPLATE``, the multi-turn tasks' turn format)
+    is set on the tokenizer; the built-in tasks' saved tokenizers have none, so their prompts stay
+    untemplated."""
     chars = sorted(set(alphabet))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in chars:
@@ -27,7 +30,7 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<pad>",
         bos_token="<bos>",
@@ -35,6 +38,9 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         padding_side="left",
     )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 @dataclass(frozen=True)
