@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("kind", choices=["e2e"])
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every variant")
     bench.add_argument("--variants", help="comma-separated subset, e.g. 'sync,async η=1'")
+    bench.add_argument(
+        "--workload", default="default", choices=["default", "agentic-wait", "reward-wait"],
+        help="what is trained: the config as given, or a waiting-bound workload (env or reward calls wait μ ± μ s)",
+    )  # fmt: skip
     bench.add_argument("--out", default="benchmarks/results/e2e.json", help="JSON output path")
     bench.set_defaults(func=_bench)
     trace = sub.add_parser("trace", help="render a run's timeline (trace.json) to a PNG Gantt chart")
@@ -164,16 +168,28 @@ def _scores(scores: EvalScores, k: int) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from sluice.bench.e2e import VARIANTS, format_table, run_e2e, write_json
+    from sluice.bench.e2e import (
+        DEFAULT_VARIANTS,
+        VARIANTS,
+        WAIT_VARIANTS,
+        format_table,
+        run_e2e,
+        workload_overrides,
+        write_json,
+    )
 
-    variants = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
+    default = DEFAULT_VARIANTS if args.workload == "default" else WAIT_VARIANTS
+    variants = [v.strip() for v in args.variants.split(",")] if args.variants else default
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ConfigError(f"bench e2e --variants: unknown {unknown} (choose from {list(VARIANTS)})")
     load_config(None, args.overrides)  # fail fast on a bad override
-    rows = run_e2e(args.overrides, variants=variants)
+    overrides, mu = workload_overrides(args.workload, args.overrides, "runs/bench_e2e")
+    if mu is not None:
+        print(f"workload {args.workload}: μ = σ = {mu:.4f} s (median wall time of one generation turn, measured)")
+    rows = run_e2e(overrides, variants=variants)
     print(format_table(rows))
-    print(f"wrote {write_json(rows, args.out, args.overrides)}")
+    print(f"wrote {write_json(rows, args.out, overrides, args.workload, mu)}")
     return 0
 
 

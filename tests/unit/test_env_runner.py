@@ -31,7 +31,7 @@ class EnvFactory:
         return env
 
 
-def _runner(factory, *, group_size=2, redundancy=0, mode="async", step_timeout_s=None):
+def _runner(factory, *, group_size=2, redundancy=0, mode="async", step_timeout_s=None, step_latency_s=0.0):
     tok = SimTokenizer()
     queue = LocalQueue()
     queue.register_task("train", SAMPLE_COLUMNS)
@@ -43,7 +43,9 @@ def _runner(factory, *, group_size=2, redundancy=0, mode="async", step_timeout_s
         decode=tok.decode,
         chat=ChatFormat(turn_end="."),
         params=SamplingParams(4),
-        limits=EpisodeLimits(max_turns=8, max_context=1000, turn_tokens=4, step_timeout_s=step_timeout_s),
+        limits=EpisodeLimits(
+            max_turns=8, max_context=1000, turn_tokens=4, step_timeout_s=step_timeout_s, step_latency_s=step_latency_s
+        ),
     )
     runner = EnvRunner(episodes, AsyncLocalQueue(queue), group_size=group_size, group_redundancy=redundancy, mode=mode)
     return runner, queue
@@ -200,3 +202,33 @@ def test_sampled_held_out_episodes_give_mean_and_pass_at_k():
     assert (result.samples, result.accuracy) == (2, 0.75)
     assert (result.mean_at_k, result.pass_at_k) == (5 / 8, 0.75)
     assert result.by_source["default"].count == 4
+
+
+def test_env_latency_waits_before_each_step_with_a_drawn_gaussian_wait():
+    """``agentic.env_latency_s``: each step answers after a wait of mean and deviation μ, clipped
+    at 0, drawn from the episode's own seed (sync and async runs see the same waits)."""
+    from sluice.rollout.episode import waiting_latency
+    from sluice.rollout.single_turn import sample_seed
+
+    factory = EnvFactory()
+    runner, _ = _runner(factory, group_size=2, step_latency_s=2.0)
+    reports = run_virtual(_wave(runner, [5]))
+    assert reports[0].discard_reason is None
+    waits = []
+    for k, env in enumerate(factory.envs):  # the group's episodes, in order
+        drawn = [waiting_latency(2.0, sample_seed(0, 5, k * 1009 + turn) + 1) for turn in range(env.turns)]
+        assert _step_times(env) == pytest.approx([sum(drawn[: t + 1]) for t in range(env.turns)])
+        waits += drawn
+    assert len(set(waits)) == len(waits) and min(waits) >= 0.0
+
+
+def test_waiting_latency_is_a_gaussian_of_mean_and_deviation_mu_clipped_at_zero():
+    import statistics
+
+    from sluice.rollout.episode import waiting_latency
+
+    draws = [waiting_latency(1.0, seed) for seed in range(4000)]
+    clipped = sum(d == 0.0 for d in draws) / len(draws)
+    assert min(draws) == 0.0 and 0.12 < clipped < 0.20  # P(N(1, 1) < 0) = 0.159
+    assert 1.0 < statistics.mean(draws) < 1.2  # clipping raises the mean a little (1.083)
+    assert waiting_latency(0.0, 1) == 0.0 and waiting_latency(1.0, 7) == waiting_latency(1.0, 7)

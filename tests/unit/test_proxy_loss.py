@@ -164,3 +164,21 @@ def test_a_replica_actor_silent_for_the_timeout_is_killed(monkeypatch) -> None:
 
     asyncio.run(main())
     assert killed and set(killed) == {stopped} and counts["replicas_silent"] >= 1
+
+
+def test_the_proxy_reports_the_median_wall_time_of_a_request() -> None:
+    """``request_s_median`` (one generation turn's wall time): what ``sluice bench e2e`` sets a
+    waiting workload's μ to."""
+    held = FakeReplica(hold=True)
+    proxy = LLMProxy([held])
+
+    async def main():
+        tasks = [asyncio.ensure_future(proxy.generate(_req(f"r{i}", seed=i))) for i in range(3)]
+        await _until(lambda: held.holding == 3)
+        await asyncio.sleep(0.05)
+        held.release()
+        await asyncio.gather(*tasks)
+
+    assert proxy.stats()["request_s_median"] == 0.0
+    asyncio.run(main())
+    assert proxy.stats()["request_s_median"] >= 0.05

@@ -162,3 +162,25 @@ def test_math_verify_reward(response, answer, expected):
 def test_math_verify_rejects_an_unparsable_reference():
     with pytest.raises(ValueError, match="reference answer"):
         math_verify_reward("1", answer="")
+
+
+def test_reward_latency_waits_a_drawn_gaussian_before_scoring():
+    """``reward.latency_s``: a remote service's wait before each call (mean and deviation μ,
+    clipped at 0), spent waiting, not computing."""
+    import random
+    import time
+
+    from sluice.rewards.service import RewardService
+
+    service = RewardService(lambda response, **_: float(len(response)), pool_size=0, latency_s=0.1, seed=3)
+    draws = random.Random(3)
+    expected = [max(0.0, draws.gauss(0.1, 0.1)) for _ in range(3)]
+
+    async def three():
+        started, cpu = time.perf_counter(), time.process_time()
+        values = [await service("abc") for _ in range(3)]
+        return values, time.perf_counter() - started, time.process_time() - cpu
+
+    values, wall, cpu = asyncio.run(three())
+    assert values == [3.0] * 3 and wall >= sum(expected) > 0
+    assert cpu < wall  # waited, did not spin

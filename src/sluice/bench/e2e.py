@@ -16,6 +16,13 @@ the loop, by role (``telemetry/cpu.py``): divided by the cores, that is the shor
 same work could take with every core busy all the time (``cpu_bound_s``), so sync's loop over a
 row's bound is the most that row could gain on sync by any scheduling (a two-thread row's CPU
 includes OpenMP workers spinning while they wait, so its bound is not a floor).
+
+``--workload`` picks what is trained: ``default`` (the config as given), or a waiting-bound one
+(ROLL Flash's simulated-environment setting): ``agentic-wait`` (the calculator task, every env
+step waiting μ ± μ seconds: ``agentic.env_latency_s``) and ``reward-wait`` (every reward call
+waiting so: ``reward.latency_s``), where μ is **measured**: the median wall time of one generation
+turn of that task here (a short sync pilot run without the wait; the proxy's
+``request_s_median``), printed and kept in the JSON. Those rows are sync and async η = 1, 2, 4.
 Prints a table and writes JSON. It measures; it asserts nothing.
 """
 
@@ -31,14 +38,47 @@ VARIANTS: dict[str, list[str]] = {
     "sync": ["run.mode=sync", "run.backend=local"],
     "stream η=0": ["run.mode=async", "rollout.max_staleness=0"],
     "async η=1": ["run.mode=async", "rollout.max_staleness=1"],
+    "async η=2": ["run.mode=async", "rollout.max_staleness=2"],
     "async η=4": ["run.mode=async", "rollout.max_staleness=4"],
     "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "trainer.data_parallel=2", "trainer.strategy=ddp"],
     "sync 1 thread": ["run.mode=sync", "run.backend=local", "run.threads=1"],
 }
 
 
+DEFAULT_VARIANTS = ["sync", "stream η=0", "async η=1", "async η=4", "async η=1 dp2", "sync 1 thread"]
+WAIT_VARIANTS = ["sync", "async η=1", "async η=2", "async η=4"]
+WORKLOADS: dict[str, tuple[list[str], str | None]] = {
+    "default": ([], None),
+    "agentic-wait": (["task.name=calculator"], "agentic.env_latency_s"),
+    "reward-wait": ([], "reward.latency_s"),
+}
+"""Workload -> (its overrides, the option its measured wait μ goes to; ``None``: no wait)."""
+PILOT_STEPS = 3
+
 BASE_AND_FINAL = 1_000_000
 """``run.eval_every`` of the variants: the base and final evaluations only (the accuracy column)."""
+
+
+def workload_overrides(workload: str, overrides: list[str], out_dir: str | Path) -> tuple[list[str], float | None]:
+    """The workload's overrides (before the user's) with its measured wait, and that μ (``None``:
+    the workload has no wait)."""
+    extra, option = WORKLOADS[workload]
+    if option is None:
+        return [*extra, *overrides], None
+    mu = measure_turn_s([*extra, *overrides], out_dir)
+    return [*extra, *overrides, f"{option}={mu:.4f}"], mu
+
+
+def measure_turn_s(overrides: list[str], out_dir: str | Path) -> float:
+    """μ: the median wall time of one generation turn (one request) of the task here, from a
+    ``PILOT_STEPS``-step sync run without any wait (the proxy's ``request_s_median``)."""
+    from sluice.rl_trainer import RLTrainer
+
+    pilot = [*overrides, "run.mode=sync", "run.backend=local", f"run.steps={PILOT_STEPS}", "run.eval_every=0"]
+    cfg = load_config(None, [*pilot, "run.progress=false", f"run.output_dir={out_dir}", "run.name=pilot"])
+    result = RLTrainer(cfg).fit()
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return float(next(r for r in records if r["kind"] == "proxy")["request_s_median"])
 
 
 def run_e2e(
@@ -48,7 +88,7 @@ def run_e2e(
     from sluice.rl_trainer import RLTrainer
 
     rows = []
-    for name in variants or list(VARIANTS):
+    for name in variants or DEFAULT_VARIANTS:
         slug = name.replace(" ", "_").replace("η=", "eta")
         cfg = load_config(
             None,
@@ -117,8 +157,15 @@ def _num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
 
-def write_json(rows: list[dict[str, Any]], path: str | Path, overrides: list[str]) -> Path:
+def write_json(
+    rows: list[dict[str, Any]],
+    path: str | Path,
+    overrides: list[str],
+    workload: str = "default",
+    mu: float | None = None,
+) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"overrides": overrides, "rows": rows}, indent=2))
+    body = {"workload": workload, "wait_mean_s": mu, "wait_sd_s": mu, "overrides": overrides, "rows": rows}
+    out.write_text(json.dumps(body, indent=2))
     return out

@@ -60,6 +60,12 @@ class AgenticConfig(Section):
     reset_timeout_s: float | None = Field(default=60.0, gt=0.0)
     """Seconds an env ``reset`` may take."""
 
+    env_latency_s: float = Field(default=0.0, ge=0.0)
+    """μ: seconds each env ``step`` waits before it answers, as a tool API, a sandbox or a web
+    environment would (a waiting-bound workload: ``sluice bench e2e --workload agentic-wait``),
+    drawn per call from a Gaussian of mean μ and standard deviation μ, clipped at 0 (ROLL Flash's
+    simulated-environment setting); the wait uses no CPU. 0: none."""
+
     chat_first: str = "{observation}>"
     """Chat format: the first prompt (``{observation}``, ``{tools}``). The default is the tiny
     character-level models' format; a chat model needs its template's pieces, e.g.

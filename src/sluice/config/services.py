@@ -102,6 +102,12 @@ class RewardConfig(_Section):
     overlong_penalty: float = Field(default=1.0, ge=0.0)
     """The overlong punishment's factor: the penalty at ``n = L_max``."""
 
+    latency_s: float = Field(default=0.0, ge=0.0)
+    """μ: seconds each reward call waits before it is scored, as a remote reward service would (a
+    waiting-bound workload: ``sluice bench e2e --workload reward-wait``), drawn per call from a
+    Gaussian of mean μ and standard deviation μ, clipped at 0 (ROLL Flash's simulated-environment
+    setting); the wait uses no CPU. 0: none."""
+
     pool_size: int = Field(default=2, ge=0)
     """Reward worker processes per rollout worker, so scoring never blocks generation. 0 runs
     the reward in a thread of the rollout worker (for rewards that cannot be pickled, e.g.

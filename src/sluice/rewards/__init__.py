@@ -121,6 +121,7 @@ def build_reward_service(cfg: RewardConfig, default: Callable[..., Any] | None) 
         timeout_s=cfg.timeout_s,
         start_method=cfg.start_method,
         name="by_source" if cfg.by_source else cfg.name or reward_name(fn),
+        latency_s=cfg.latency_s,
     )
 
 

@@ -9,7 +9,8 @@ A call that raises, runs past ``timeout_s``, or returns something that is not a 
 raises ``RewardFailure`` whose ``reason`` (``reward_error:NAME``, ``reward_timeout:NAME``,
 ``reward_invalid:NAME``) becomes the discard reason of the sample's group; every failure is
 also counted here per function. A pool worker that dies is replaced and its call retried once
-(``reward_worker_restarts``, ``reward_retries``); a second death is a ``reward_error``. The
+(``reward_worker_restarts``, ``reward_retries``); a second death is a ``reward_error``. With
+``latency_s`` each call first waits as a remote service would (no CPU; a benchmark's workload). The
 service does not decide what happens to the group (the rollout worker does:
 ``rollout.filters.reward_failure``), nor when failures are too many (the controller's budget).
 """
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import math
 import numbers
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -47,6 +49,8 @@ class RewardService:
         timeout_s: float = 30.0,
         start_method: StartMethod = "forkserver",
         name: str | None = None,
+        latency_s: float = 0.0,
+        seed: int = 0,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
@@ -58,11 +62,15 @@ class RewardService:
         self.failures: Counter[str] = Counter()
         """Failures per ``reward_<kind>:<name>`` reason."""
         self.seconds = 0.0
+        self.latency_s = latency_s
+        self._latency_rng = random.Random(seed)
 
     async def __call__(self, response: str, **fields: Any) -> float:
         started = time.perf_counter()
         self.calls[self.__name__] += 1
         try:
+            if self.latency_s > 0:  # a remote service's wait (``reward.latency_s``), no CPU
+                await asyncio.sleep(max(0.0, self._latency_rng.gauss(self.latency_s, self.latency_s)))
             value = await self._run(response, fields)
         finally:
             self.seconds += time.perf_counter() - started

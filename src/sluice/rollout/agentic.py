@@ -46,6 +46,7 @@ class EnvRolloutSpec:
     group_redundancy: int = 0
     step_timeout_s: float | None = 60.0
     reset_timeout_s: float | None = 60.0
+    env_latency_s: float = 0.0
     chat: ChatFormat = field(default_factory=ChatFormat)
     turn_end_from_tokenizer: bool = True
     agent: str | None = None
@@ -81,6 +82,7 @@ def env_rollout_spec(config: AgenticConfig, task_env: str | None, turn_tokens: i
         group_redundancy=config.group_redundancy,
         step_timeout_s=config.step_timeout_s,
         reset_timeout_s=config.reset_timeout_s,
+        env_latency_s=config.env_latency_s,
         chat=chat,
         turn_end_from_tokenizer=config.chat_turn_end is None,
         agent=agent,
@@ -117,6 +119,7 @@ def build_env_runner(
         turn_tokens=spec.turn_tokens,
         reset_timeout_s=spec.reset_timeout_s,
         step_timeout_s=spec.step_timeout_s,
+        step_latency_s=spec.env_latency_s,
     )
     turn_params = SamplingParams(spec.turn_tokens, params.temperature, params.top_p, stop)
     episodes: EpisodeRunner | AgentEpisodeRunner

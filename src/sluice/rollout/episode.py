@@ -13,6 +13,7 @@ it). Groups, redundancy and the queue are ``env_runner.py``'s.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -80,6 +81,7 @@ class EpisodeLimits:
     turn_tokens: int
     reset_timeout_s: float | None = None
     step_timeout_s: float | None = None
+    step_latency_s: float = 0.0  # μ of each step's wait (``agentic.env_latency_s``)
 
 
 class EpisodeRunner:
@@ -132,7 +134,9 @@ class EpisodeRunner:
                 traj.add_model_turn(completion, self.turn_end_ids, action)
                 if barrier is not None:
                     await barrier.wait()
-                step = await self._env_call(env.step(action), "step")
+                seed = sample_seed(self.run_seed, group_id, k * 1009 + turn) + 1  # not the sampling stream
+                wait = waiting_latency(self.limits.step_latency_s, seed)
+                step = await self._env_call(_after(wait, env.step(action)), "step")
                 reward += float(step.reward)
                 if step.done:
                     finish = "done"
@@ -188,3 +192,14 @@ class EpisodeRunner:
             await asyncio.wait_for(env.close(), self.limits.step_timeout_s)
         except Exception:  # the episode's outcome stands either way; counted
             self.close_errors += 1
+
+
+def waiting_latency(mean_s: float, seed: int) -> float:
+    """One call's wait: Gaussian with mean and standard deviation ``mean_s``, clipped at 0."""
+    return max(0.0, random.Random(seed).gauss(mean_s, mean_s)) if mean_s > 0 else 0.0
+
+
+async def _after(wait_s: float, call: Awaitable[T]) -> T:
+    if wait_s > 0:
+        await asyncio.sleep(wait_s)
+    return await call

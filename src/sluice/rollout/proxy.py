@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+import statistics
+import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
@@ -105,6 +107,7 @@ class LLMProxy:
         self._long_tail = long_tail
         self.slots = slots or 0
         self._replace, self._replacements, self._replacing = replace, replacements, 0
+        self._turn_s: deque[float] = deque(maxlen=1024)  # wall time of the latest requests
 
     @property
     def replica_ids(self) -> list[int]:
@@ -121,6 +124,7 @@ class LLMProxy:
         if rid in self._flights:
             raise ValueError(f"request {rid!r} is already in flight")
         flight = self._flights[rid] = Flight(request)
+        started = time.perf_counter()
         if self._dispatch is not None:
             flight.predicted = self._dispatch.predict(request)
         tokens: list[int] = []
@@ -147,6 +151,7 @@ class LLMProxy:
                     break
         finally:
             del self._flights[rid]
+            self._turn_s.append(time.perf_counter() - started)
         if self._dispatch is not None and reason != "abort":
             self._dispatch.observe(request, len(tokens))
         args = (tuple(tokens), tuple(logprobs), tuple(versions), reason)
@@ -182,13 +187,15 @@ class LLMProxy:
 
     def stats(self) -> dict[str, float]:
         """Proxy counters; ``version`` is the oldest version a replica holds, ``pending_version``
-        the one being rolled out (-1: none)."""
+        the one being rolled out (-1: none); ``request_s_median``: the median wall time of the
+        latest 1024 requests (one generation turn each)."""
         held = min((s.version for s in self._states.values()), default=self.version)
         return {
             **(self._dispatch.stats() if self._dispatch is not None else {}),
             "replicas": float(len(self._states)),
             "accepting": float(sum(s.accepting for s in self._states.values())),
             "in_flight": float(len(self._flights)),
+            "request_s_median": statistics.median(self._turn_s) if self._turn_s else 0.0,
             **{name: float(value) for name, value in self._counts.items()},
             "version": float(held),
             "pending_version": float(self.version if held < self.version else -1),
