@@ -313,3 +313,47 @@ def test_engine_streams_sequence_modes_like_one_pass(loss: str, mode: str) -> No
     for name, p in engine.model.named_parameters():
         assert torch.allclose(p.grad, grads[name], atol=1e-6), name
     assert streamed["loss"] == pytest.approx(full["loss"], abs=1e-6) and full["grad_norm"] > 0
+
+
+def test_off_policy_metrics_against_the_reference_formulas():
+    """Issue 18's instruments: the behaviour weight w = π_prox / π_behav (mean, ESS fraction
+    (Σw)² / (N Σw²), tails beyond ×/÷ 2) and the fraction of tokens whose ratio lies outside the
+    clip range against the proximal and against the behaviour policy, token by token."""
+    from sluice.trainer.losses.common import off_policy_metrics
+
+    logp = torch.tensor([-1.0, -1.0, -2.0, -0.5, -3.0, -1.0])
+    prox = torch.tensor([-1.1, -1.0, -1.5, -0.5, -3.0, -9.0])
+    behav = torch.tensor([-1.0, -2.0, -1.0, -0.2, -4.0, -1.0])
+    mask = torch.tensor([True, True, True, True, True, False])
+    inputs = LossInputs(logp, prox, behav, torch.ones(6), mask, normaliser=5.0)
+    stats = ppo_clip_loss(inputs, clip_low=0.2, clip_high=0.2).stats
+    metrics = off_policy_metrics(stats)
+
+    w = [math.exp(p - b) for p, b, m in zip(prox.tolist(), behav.tolist(), mask.tolist(), strict=True) if m]
+    to_prox = [math.exp(lp - p) for lp, p, m in zip(logp.tolist(), prox.tolist(), mask.tolist(), strict=True) if m]
+    to_behav = [math.exp(lp - b) for lp, b, m in zip(logp.tolist(), behav.tolist(), mask.tolist(), strict=True) if m]
+    n = len(w)
+    assert metrics["behav_weight_mean"] == pytest.approx(sum(w) / n)
+    assert metrics["behav_ess_fraction"] == pytest.approx(sum(w) ** 2 / (n * sum(x * x for x in w)))
+    assert metrics["behav_weight_low_fraction"] == pytest.approx(sum(x < 0.5 for x in w) / n)
+    assert metrics["behav_weight_high_fraction"] == pytest.approx(sum(x > 2 for x in w) / n)
+    assert metrics["clip_outside_prox"] == pytest.approx(sum(not 0.8 <= r <= 1.2 for r in to_prox) / n)
+    assert metrics["clip_outside_behav"] == pytest.approx(sum(not 0.8 <= r <= 1.2 for r in to_behav) / n)
+
+
+def test_with_one_update_per_step_the_decoupled_clip_never_binds():
+    """Why decoupled PPO loses at high staleness here (issue 18): with ``prox_logprobs:
+    recompute`` and one update per step (the default: ``ppo_mini_batches: 1``), the proximal
+    policy *is* the policy being updated, so π_θ / π_prox = 1 on every token and the trust region
+    is void; only the (uncapped) behaviour weight remains. PPO-clip against the behaviour policy
+    clips the same tokens' gradients."""
+    from sluice.trainer.losses.common import off_policy_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    behav = -torch.rand(64, generator=generator) * 3
+    logp = behav + torch.randn(64, generator=generator)  # the policy moved 8 versions since sampling
+    adv = torch.randn(64, generator=generator)
+    mask = torch.ones(64, dtype=torch.bool)
+    decoupled = off_policy_metrics(ppo_clip_loss(LossInputs(logp, logp, behav, adv, mask, 64.0)).stats)
+    assert decoupled["clip_outside_prox"] == 0.0 and decoupled["clip_outside_behav"] > 0.5
+    assert decoupled["behav_ess_fraction"] < 0.5  # the weight alone carries the correction

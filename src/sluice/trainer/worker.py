@@ -37,6 +37,7 @@ from sluice.telemetry.samples import SampleSummary, summarize_samples
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
+from sluice.trainer.losses.common import off_policy_metrics
 from sluice.trainer.ppo import VALUES_COLUMN, StepShare, ppo_critic_step
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.sections import algorithm_of, critic_of, schedule_of, train_engine
@@ -255,6 +256,7 @@ class TrainerWorker:
         return {
             "optimizer_steps": 1.0,
             **metrics,
+            **off_policy_metrics(metrics),
             **self._timing,
             "trained_tokens": float(trained),
             "version": float(self.version),

@@ -113,6 +113,32 @@ def behaviour_weight(
     return weight, capped
 
 
+WEIGHT_TAIL = 2.0
+"""A behaviour weight beyond ×/÷ this is in the tail (``behav_weight_{low,high}_tokens``)."""
+
+
+def off_policy_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """A step's off-policy picture from its summed loss stats (every rank's): the mean behaviour
+    weight π_prox / π_behav, its effective sample size as a fraction of the tokens
+    ``(Σw)² / (N Σw²)`` (1: no correction), the fractions of tokens in its tails, and the
+    fractions of tokens whose ratio lies outside the clip range against the proximal policy
+    (``clip_outside_prox``) and against the behaviour policy (``clip_outside_behav``)."""
+    tokens = stats.get("tokens", 0.0)
+    if tokens <= 0 or "behav_weight_sq_sum" not in stats:
+        return {}
+    total, squares = stats["behav_weight_sum"], stats["behav_weight_sq_sum"]
+    out = {
+        "behav_weight_mean": total / tokens,
+        "behav_ess_fraction": total * total / (tokens * squares) if squares > 0 else 0.0,
+        "behav_weight_low_fraction": stats["behav_weight_low_tokens"] / tokens,
+        "behav_weight_high_fraction": stats["behav_weight_high_tokens"] / tokens,
+    }
+    for policy in ("prox", "behav"):
+        if f"outside_{policy}_tokens" in stats:
+            out[f"clip_outside_{policy}"] = stats[f"outside_{policy}_tokens"] / tokens
+    return out
+
+
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 KL estimator per token: ``(r - 1) - log r``, ``r = exp(log_ratio)``; ``[tokens]``."""
     log_ratio = log_ratio.detach()
@@ -138,13 +164,19 @@ def check_inputs(inputs: LossInputs) -> None:
 def common_stats(
     inputs: LossInputs, weight: torch.Tensor, capped: torch.Tensor, per_token: torch.Tensor
 ) -> dict[str, float]:
-    """Summed stats every loss reports (``tokens``, behaviour weight, KL estimates, loss sum)."""
+    """Summed stats every loss reports (``tokens``, behaviour weight, KL estimates, loss sum), and
+    the behaviour weight's spread: ``behav_weight_sq_sum`` (Σ w², for the effective sample size)
+    and the tokens whose untruncated weight is below ``1 / WEIGHT_TAIL`` or above ``WEIGHT_TAIL``."""
     mask = inputs.mask.bool()
     logp = inputs.logp
     with torch.no_grad():
+        raw = torch.exp(torch.where(mask, inputs.prox_logp - inputs.behav_logp, torch.zeros_like(logp)))
         return {
             "tokens": float(mask.sum()),
             "behav_weight_sum": masked_sum(weight, mask),
+            "behav_weight_sq_sum": masked_sum(weight * weight, mask),
+            "behav_weight_low_tokens": float((mask & (raw < 1.0 / WEIGHT_TAIL)).sum()),
+            "behav_weight_high_tokens": float((mask & (raw > WEIGHT_TAIL)).sum()),
             "capped_tokens": float((mask & capped).sum()),
             "kl_behav_sum": masked_sum(k3(logp - inputs.behav_logp), mask),
             "kl_prox_sum": masked_sum(k3(logp - inputs.prox_logp), mask),

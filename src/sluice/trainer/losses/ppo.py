@@ -55,7 +55,9 @@ def ppo_clip_loss(
         ``LossOutputs`` with the scalar loss and summed stats: ``tokens``, ``clipped_tokens``
         (tokens whose gradient the clip removed), ``dual_clipped_tokens``, ``ratio_sum`` (Σ u),
         ``behav_weight_sum`` (Σ w after capping), ``capped_tokens``, ``kl_behav_sum`` and
-        ``kl_prox_sum`` (k3 estimates), ``policy_loss_sum`` (Σ l, unnormalised).
+        ``kl_prox_sum`` (k3 estimates), ``policy_loss_sum`` (Σ l, unnormalised), and
+        ``outside_prox_tokens`` / ``outside_behav_tokens``: tokens whose ratio against the
+        proximal / the behaviour policy lies outside the clip range (``off_policy_metrics``).
     """
     check_inputs(inputs)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -84,6 +86,10 @@ def ppo_clip_loss(
     with torch.no_grad():
         stats["clipped_tokens"] = float((mask & (pg_clipped > pg_unclipped)).sum())
         stats["ratio_sum"] = masked_sum(ratio, mask)
+        behav_ratio = ratio * torch.exp(torch.where(mask, prox - inputs.behav_logp.detach(), zero))
+        for policy, against in (("prox", ratio), ("behav", behav_ratio)):  # π_θ / π_prox, π_θ / π_behav
+            outside = (against < 1.0 - clip_low) | (against > 1.0 + clip_high)
+            stats[f"outside_{policy}_tokens"] = float((mask & outside).sum())
         if dual_clip_c is not None:
             stats["dual_clipped_tokens"] = float((mask & dual).sum())
     return LossOutputs(loss=loss, stats=stats)
