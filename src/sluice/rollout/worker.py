@@ -76,35 +76,8 @@ class RolloutWorker:
         if penalty is not None and agentic is not None:
             raise ConfigError("reward.overlong_buffer: single-turn rollouts only (an environment scores its episodes)")
         self.tokenizer = load_tokenizer(model_dir)
-        engine, max_batch, replicas = rollout.engine, rollout.max_batch, rollout.replicas
-
-        def engine_actors(count: int) -> list[Any]:
-            return start_engine_actors(
-                count, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads
-            )
-
-        async def replacement() -> Any:
-            self.engines += engine_actors(1)
-            return self.engines[-1]
-
-        self.engines: list[Any] = (
-            engine_actors(replicas)
-            if fleet.replica_actors
-            else [
-                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
-                for _ in range(replicas)
-            ]
-        )
-        self.proxy = LLMProxy(
-            self.engines,
-            prompt_replication=rollout.prompt_replication,
-            stagger=rollout.stagger,
-            length_predictor=OnlineLengthRanker() if fleet.lpt else None,
-            slots=max_batch,
-            long_tail=long_tail_split(fleet, max_batch),
-            replace=replacement if fleet.replica_actors else None,
-            replacements=ENGINE_REPLACEMENTS,
-        )
+        self.engines: list[Any] = []
+        self.proxy = self._start_replicas(model_dir, rollout, fleet, engine_options, threads)
         self.fleet = fleet
         self._replica_timeout_s = replica_timeout_s if fleet.replica_actors else None
         self._replica_watch: asyncio.Task[None] | None = None
@@ -135,6 +108,46 @@ class RolloutWorker:
                 scheduling=rollout.scheduling,
                 tracer=self.tracer,
             )
+
+    def _start_replicas(
+        self,
+        model_dir: str | Path,
+        rollout: RolloutConfig,
+        fleet: FleetConfig,
+        engine_options: Mapping[str, Any],
+        threads: int,
+    ) -> LLMProxy:
+        """``rollout.replicas`` engines (in this process, or ``EngineHost`` actors that the proxy
+        replaces when one dies) behind the proxy."""
+        engine, max_batch = rollout.engine, rollout.max_batch
+
+        def engine_actors(count: int) -> list[Any]:
+            return start_engine_actors(
+                count, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads
+            )
+
+        async def replacement() -> Any:
+            self.engines += engine_actors(1)
+            return self.engines[-1]
+
+        self.engines = (
+            engine_actors(rollout.replicas)
+            if fleet.replica_actors
+            else [
+                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
+                for _ in range(rollout.replicas)
+            ]
+        )
+        return LLMProxy(
+            self.engines,
+            prompt_replication=rollout.prompt_replication,
+            stagger=rollout.stagger,
+            length_predictor=OnlineLengthRanker() if fleet.lpt else None,
+            slots=max_batch,
+            long_tail=long_tail_split(fleet, max_batch),
+            replace=replacement if fleet.replica_actors else None,
+            replacements=ENGINE_REPLACEMENTS,
+        )
 
     async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         """Start a wave of groups together, then report each as it completes (``GroupRunner``)."""
