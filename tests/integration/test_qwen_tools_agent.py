@@ -4,23 +4,21 @@ endpoint, on a tiny gsm8k_style Qwen2 (BPE tokenizer trained here) with the Qwen
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from gsm8k_example import load
+from qwen_tools_example import EXAMPLE
+from qwen_tools_example import load as example
 from sluice import RLTrainer
 from sluice.config import load_config
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "qwen_tools_agent"
-
 
 @pytest.fixture(scope="module")
-def example(tmp_path_factory):
+def built(tmp_path_factory):
     """Small gsm8k_style data, its model (a few SFT steps) and the example's copy of it."""
     root = tmp_path_factory.mktemp("qwen_tools")
     load("make_data").write_dataset(root / "data", train=200, test=50, seed=0)
@@ -29,15 +27,11 @@ def example(tmp_path_factory):
                                 num_key_value_heads=1, max_position_embeddings=256)  # fmt: skip
     sft = make_model.SftSpec(steps=10, batch_size=8, lr=3e-3, warmup_steps=2)
     make_model.build(root / "data", root / "base", vocab_size=400, spec=spec, sft=sft, log_every=0)
-    module_spec = importlib.util.spec_from_file_location("qwen_tools_agent_make_model", EXAMPLE / "make_model.py")
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return root, module.build(root / "base", root / "model", context=1024)
+    return root, example("make_model").build(root / "base", root / "model", context=1024)
 
 
-def test_the_example_trains_two_steps(example, tmp_path):
-    root, model_dir = example
+def test_the_example_trains_two_steps(built, tmp_path):
+    root, model_dir = built
     overrides = [
         f"model.path={model_dir}", f"data.train_files={root / 'data' / 'train.parquet'}",
         f"data.val_files={root / 'data' / 'test.parquet'}", "eval.max_prompts=4", "rollout.group_size=2",

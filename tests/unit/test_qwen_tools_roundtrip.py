@@ -6,37 +6,28 @@ gets ``tool_calls``, answers with a ``tool`` message, and leaves a token-exact t
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from fakes import ScriptedTurnsEngine
 from gsm8k_example import load
+from qwen_tools_example import EXAMPLE
+from qwen_tools_example import load as example
 from sluice.api import PromptItem, SamplingParams
 from sluice.rewards import math_verify_reward
 from sluice.rollout.agent_runner import AgentEpisodeRunner
 from sluice.rollout.agent_session import ChatModel, SessionLimits
 from sluice.rollout.tool_parsers import TOOL_PARSERS
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "qwen_tools_agent"
 TEMPLATE = (EXAMPLE / "chat_template.jinja").read_text()
 QUESTION = "Tom buys 3 bags of 4 apples. How many apples does he have? Put the final answer in \\boxed{}."
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "3*4"}}\n</tool_call>'
 ANSWER = "He has 3*4 = 12 apples. The answer is \\boxed{12}."
 
 
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"qwen_tools_agent_{name}", EXAMPLE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-AGENT = _example("agent")
+AGENT = example("agent")
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +117,11 @@ def test_make_model_copies_the_base_with_the_template_and_a_longer_context(token
     base = tmp_path / "base"
     make_model.build_model(tokenizer, spec, seed=0).save_pretrained(base)
     tokenizer.save_pretrained(base)
-    out = _example("make_model").build(base, tmp_path / "out", context=1024)
+    out = example("make_model").build(base, tmp_path / "out", context=1024)
     assert AutoTokenizer.from_pretrained(out, local_files_only=True).chat_template == TEMPLATE
     assert AutoConfig.from_pretrained(out, local_files_only=True).max_position_embeddings == 1024
     with pytest.raises(FileNotFoundError, match="--base"):
-        _example("make_model").build(tmp_path / "missing", tmp_path / "out2")
+        example("make_model").build(tmp_path / "missing", tmp_path / "out2")
 
 
 def test_the_agents_calculator_tool():
