@@ -726,3 +726,26 @@ async def two_turn_agent(client: Any, row: dict[str, Any]) -> float:
 async def deferring_agent(client: Any, row: dict[str, Any]) -> None:
     """One call, then leaves the reward to the run's reward function."""
     await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": str(row["a"])}])
+
+
+class ScriptedTurnsEngine:
+    """An ``InferenceEngine`` whose n-th request samples ``turns[n]`` (token ids, as given):
+    log-probs ``-0.1 * (i + 1)``, version ``version``, ``stop`` when the last id is a stop token."""
+
+    def __init__(self, turns: Sequence[Sequence[int]], version: int = 3) -> None:
+        self.turns, self.version = [tuple(t) for t in turns], version
+        self.requests: list[GenerationRequest] = []
+        self.completions: list[Completion] = []
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        tokens = self.turns[len(self.requests)]
+        self.requests.append(request)
+        reason = "stop" if tokens[-1] in request.params.stop_token_ids else "length"
+        completion = Completion(request.request_id, request.prompt_ids, tokens,
+                                tuple(-0.1 * (i + 1) for i in range(len(tokens))), (self.version,) * len(tokens),
+                                reason)  # type: ignore[arg-type]  # fmt: skip
+        self.completions.append(completion)
+        return completion
+
+    def abort(self, request_id: str) -> None:
+        pass
