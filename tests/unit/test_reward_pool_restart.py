@@ -76,3 +76,31 @@ def test_a_reward_that_kills_its_worker_twice_is_a_counted_failure():
     stats = service.stats()
     assert stats["reward_error:dying"] == 1.0
     assert stats["reward_worker_restarts"] == 2.0 and stats["reward_retries"] == 1.0
+
+
+def test_a_worker_whose_caller_closed_the_pipe_ends_quietly():
+    """A call cancelled mid-way (a straggler episode aborted) closes the caller's end: the worker
+    then finds no one to answer and exits, with no traceback in the run's log."""
+    import threading
+    from multiprocessing import Pipe
+
+    from fakes import FaultyReward
+
+    from sluice.rewards.pool import _serve
+
+    parent, child = Pipe()
+    failures: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            _serve(child)
+        except BaseException as err:  # what the old loop let escape
+            failures.append(err)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    assert parent.recv() is True
+    parent.send((FaultyReward("hang", always=True, hang_s=0.3), "abc", {}))  # still scoring when...
+    parent.close()  # ...the caller gives up
+    worker.join(timeout=10)
+    assert not worker.is_alive() and not failures

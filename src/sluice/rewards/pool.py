@@ -58,13 +58,16 @@ def _serve(conn: Connection) -> None:
     while True:
         try:
             fn, response, fields = conn.recv()
-        except EOFError:  # the parent closed the pipe or died: nothing left to do
+        except (EOFError, ConnectionResetError):  # the parent closed the pipe or died: nothing left to do
             return
         try:
-            conn.send((True, call_reward(fn, response, fields)))
+            answer = (True, call_reward(fn, response, fields))
         except Exception as exc:  # deliberate: any reward error goes back to be counted
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            conn.send((False, detail))
+            answer = (False, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, ConnectionResetError):  # the caller gave up on the call (cancelled)
+            return
 
 
 class _WorkerDied(Exception):
