@@ -85,7 +85,6 @@ def test_a_worker_whose_caller_closed_the_pipe_ends_quietly():
     from multiprocessing import Pipe
 
     from fakes import FaultyReward
-
     from sluice.rewards.pool import _serve
 
     parent, child = Pipe()
