@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,8 @@ from sluice.engines.hf_train import HFTrainEngine
 from tiny import save_tiny_task_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make vllm-test` runs these in .venv-vllm")
+
+import psutil  # a vLLM dependency
 
 from sluice.engines.vllm_engine import VLLMEngine
 
@@ -65,10 +68,20 @@ def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _files(temp_root: Path) -> set[Path]:
-    """Every file under /dev/shm (where a folder update would go) and the temp folder."""
+    """Every file under /dev/shm (where a folder update would go) and the temp folder, except
+    those named after a process outside this one's tree (``sluice-arena-<pid>-0`` of a test
+    running beside this one on a shared machine)."""
     roots = [Path("/dev/shm"), Path(tempfile.gettempdir())]
     assert Path(tempfile.gettempdir()) == temp_root
-    return {p for root in roots if root.is_dir() for p in root.rglob("*") if p.is_file()}
+    ours = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
+    found = {p for root in roots if root.is_dir() for p in root.rglob("*") if p.is_file()}
+    return {p for p in found if not _named_after_other(p, roots, ours)}
+
+
+def _named_after_other(path: Path, roots: list[Path], ours: set[int]) -> bool:
+    top = next(path.relative_to(root).parts[0] for root in roots if path.is_relative_to(root))
+    pids = {int(n) for n in re.findall(r"-(\d+)(?=-|$)", top)}
+    return bool(pids) and not pids & ours
 
 
 @pytest.fixture(scope="module")

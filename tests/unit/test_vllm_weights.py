@@ -4,7 +4,10 @@ itself runs in ``tests/integration/test_vllm_engine.py`` (``make vllm-test``).""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,9 +17,9 @@ from pydantic import ValidationError
 from sluice.config import load_config
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
-from sluice.engines.vllm_engine import VLLMEngine, placement_args
+from sluice.engines.vllm_engine import VLLMEngine, placement_args, reload_from_shared
 from sluice.engines.weight_folder import EMBED, HEAD, weights_checksum
-from sluice.engines.weight_tensors import WeightTensors
+from sluice.engines.weight_tensors import SharedWeights, WeightTensors
 from tiny import save_tiny_task_model
 
 
@@ -36,9 +39,9 @@ def _files(root: Path) -> set[Path]:
 
 def test_staged_tensors_are_snapshots_written_nowhere(model_dir: Path, weights, tmp_path: Path) -> None:
     stager = WeightTensors(model_dir, tmp_path)
-    before = _files(tmp_path)
-    items = dict(stager.write(weights, 1))
-    assert _files(tmp_path) == before  # no file for an update
+    before, shm = _files(tmp_path), _files(Path("/dev/shm"))
+    items = dict(stager.write(weights, 1).items)
+    assert _files(tmp_path) == before and not _files(Path("/dev/shm")) - shm  # no file for an update
     assert weights[EMBED].data_ptr() == weights[HEAD].data_ptr() and set(items) == set(weights) - {HEAD}
     expected = {name: w.clone() for name, w in items.items()}
     with torch.no_grad():
@@ -53,7 +56,7 @@ def test_untied_serving_sends_the_output_layer_as_its_own_tensor(model_dir: Path
     serving = stager.serving_folder()  # the engine starts from an untied copy, written once
     assert serving.is_dir() and (serving / "model.safetensors").is_file()
     before = _files(tmp_path)
-    items = dict(stager.write(weights, 1))
+    items = dict(stager.write(weights, 1).items)
     assert _files(tmp_path) == before
     assert torch.equal(items[HEAD], weights[EMBED]) and items[HEAD].data_ptr() != items[EMBED].data_ptr()
     assert stager.checksum(items) == pytest.approx(weights_checksum(weights), rel=1e-12)  # lm_head once
@@ -66,12 +69,20 @@ def test_untied_serving_sends_the_output_layer_as_its_own_tensor(model_dir: Path
 
 def test_superseded_versions_are_released(model_dir: Path, weights, tmp_path: Path) -> None:
     stager = WeightTensors(model_dir, tmp_path)
-    for version in (1, 2, 3):
-        stager.write(weights, version)
+    handles = [stager.write(weights, version).handle for version in (1, 2, 3)]
     stager.release_older(3)
     assert set(stager.staged) == {3}
+    assert dict(handles[2].open()).keys() == dict(stager.staged[3].items).keys()
+    with pytest.raises(RuntimeError, match="no longer refers to them"):  # closed: nothing stale is mapped
+        handles[0].open()
+    changed = {name: w + 1.0 for name, w in weights.items() if name != HEAD}  # the tied alias stays out
+    assert stager.write(changed, 4).handle == handles[1]  # the last released block is refilled
+    assert all(torch.equal(w, changed[n]) for n, w in handles[1].open())
     stager.close()
     assert stager.staged == {}
+    for handle in handles[1:]:
+        with pytest.raises(RuntimeError, match="no longer refers to them"):
+            handle.open()
 
 
 def _placement(**overrides: object) -> dict:
@@ -125,3 +136,35 @@ def test_vllm_section_defaults_to_memory_and_reaches_the_engine() -> None:
 def test_bad_vllm_values_name_their_field(override: str, field: str) -> None:
     with pytest.raises((ValidationError, ValueError), match=field):
         load_config(None, [override])
+
+
+class _RecordingWorker:
+    """Stands in for a vLLM worker: keeps what ``reload_weights`` was given."""
+
+    def reload_weights(self, *, weights_iterator) -> None:
+        self.loaded = dict(weights_iterator)
+
+
+def test_the_worker_maps_the_block_and_gets_every_tensor_exactly(weights) -> None:
+    tensors = {
+        **{name: w for name, w in weights.items() if name != HEAD},
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "mask": torch.tensor([True, False, True]),
+        "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),  # not contiguous
+        "empty": torch.empty(0, 4),
+    }
+    shared = SharedWeights(tensors)
+    worker = _RecordingWorker()
+    call = pickle.dumps(functools.partial(reload_from_shared, weights=shared.handle), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(call) < 4096  # the RPC carries the handle, never the tensors
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a read-only buffer would warn in torch.frombuffer
+        pickle.loads(call)(worker)
+    assert list(worker.loaded) == list(tensors)
+    for name, t in tensors.items():
+        got = worker.loaded[name]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    worker.loaded["bf16"].add_(1.0)  # the worker's mapping is copy-on-write: the sender's block stays
+    assert torch.equal(dict(shared.items)["bf16"], tensors["bf16"])
+    shared.close()

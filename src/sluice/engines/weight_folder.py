@@ -102,13 +102,11 @@ class WeightFolders:
         (folder / "config.json").write_text(json.dumps(self.config, indent=2))
 
 
-def serving_tensors(weights: Mapping[str, torch.Tensor], untie: bool, *, copy: bool = False) -> dict[str, torch.Tensor]:
-    """``weights`` as the engine serves them: contiguous CPU tensors, tied aliases once, and with
-    ``untie`` ``lm_head.weight`` added as a copy of the input embedding. ``copy`` makes every
-    tensor a snapshot (the caller may change its own tensors after handing them over)."""
+def serving_tensors(weights: Mapping[str, torch.Tensor], untie: bool) -> dict[str, torch.Tensor]:
+    """``weights`` as the engine serves them: contiguous CPU tensors (views where they already
+    are), tied aliases once, and with ``untie`` ``lm_head.weight`` added as a copy of the input
+    embedding."""
     tensors = {name: w.detach().contiguous().cpu() for name, w in _unaliased(weights).items()}
-    if copy:
-        tensors = {name: w.clone() if w.data_ptr() == weights[name].data_ptr() else w for name, w in tensors.items()}
     if untie:
         if EMBED not in tensors:
             raise ValueError(f"update_weights: tied model without {EMBED!r}; cannot untie its output layer")
