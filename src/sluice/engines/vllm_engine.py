@@ -19,7 +19,7 @@ mode), so build it before this process forks anything. Versions and weight-updat
   no path, nothing under ``/dev/shm``) and the load sends every vLLM worker a
   ``functools.partial(reload_from_shared, weights=handle)``; the worker maps the block through
   ``/proc/<pid>/fd`` and calls its layer-wise ``reload_weights(weights_iterator=...)``. No file
-  is written and the tensors are not pickled (pickling them through the RPC cost 4-5x the
+  is written and the tensors are not pickled (pickling them through the RPC cost 4-8x the
   folder reload on a 144 MB model). A callable crosses vLLM's RPC only with
   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between this process and the engine processes
   it spawns), which this mode sets before the engine starts; tensors passed as RPC keyword
