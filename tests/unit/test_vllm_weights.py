@@ -44,10 +44,12 @@ def test_staged_tensors_are_snapshots_written_nowhere(model_dir: Path, weights, 
     assert _files(tmp_path) == before and not _files(Path("/dev/shm")) - shm  # no file for an update
     assert weights[EMBED].data_ptr() == weights[HEAD].data_ptr() and set(items) == set(weights) - {HEAD}
     expected = {name: w.clone() for name, w in items.items()}
+    staged_sum = stager.checksum(weights)
     with torch.no_grad():
         for w in weights.values():  # the trainer keeps training after handing the weights over
             w.add_(1.0)
     assert all(torch.equal(items[n], expected[n]) for n in items)
+    assert stager.staged_checksum(1) == staged_sum != stager.checksum(weights)  # summed from the snapshot
     assert all(items[n].data_ptr() != weights[n].data_ptr() for n in items)
 
 

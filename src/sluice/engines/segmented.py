@@ -98,6 +98,10 @@ class WeightStager(Protocol):
 
     def checksum(self, weights: Mapping[str, torch.Tensor]) -> float: ...
 
+    def staged_checksum(self, version: int) -> float:
+        """``checksum`` of what ``write`` staged for ``version`` (still staged: not yet released)."""
+        ...
+
     def release_older(self, version: int) -> None:
         """Free what was staged for versions below ``version``."""
         ...
@@ -110,7 +114,6 @@ class _Update:
     staged: Any
     version: int
     mode: WeightUpdateMode
-    checksum: float
 
 
 @dataclass(eq=False)
@@ -134,7 +137,7 @@ class SegmentedEngine:
         self.backend = backend
         self.version = version
         self._folders = folders
-        self._checksum = folders.checksum(folder_weights(folders.model_dir))
+        self._checksum: float | None = folders.checksum(folder_weights(folders.model_dir))
         self._requests: dict[str, _Request] = {}
         self._live: set[str] = set()
         self._gate_closed = False
@@ -194,7 +197,7 @@ class SegmentedEngine:
             self._counts["weight_updates_superseded"] += 1
         else:
             self._pending_since = time.perf_counter()
-        self._pending = _Update(staged, version, mode, self._folders.checksum(weights))
+        self._pending = _Update(staged, version, mode)
         self._gate_closed = True
         if mode == "interrupt":
             for state in self._requests.values():
@@ -214,8 +217,11 @@ class SegmentedEngine:
         return {name: float(v) for name, v in {**values, "version": self.version, "pending_version": pending}.items()}
 
     def weights_checksum(self) -> float:
-        """The float64 sum of the weights last loaded (the model folder's, then each update's), tied
-        weights once; the backend's own parameters may be repacked and cannot be summed alike."""
+        """The float64 sum of the weights last loaded (the model folder's, then each update's as
+        staged), tied weights once; the backend's own parameters may be repacked and cannot be
+        summed alike. Summed on first call per version, so a weight sync does not pay for it."""
+        if self._checksum is None:
+            self._checksum = self._folders.staged_checksum(self.version)
         return self._checksum
 
     def close(self) -> None:
@@ -286,7 +292,7 @@ class SegmentedEngine:
                 self._times["weight_load_s"] += time.perf_counter() - started
                 self._times["version_activated_at"] = time.time()
                 logger.debug("weights v%d -> v%d (%s)", self.version, update.version, update.mode)
-                self.version, self._checksum = update.version, update.checksum
+                self.version, self._checksum = update.version, None  # summed when asked: not on the sync path
                 self._counts["weight_updates"] += 1
                 self._folders.release_older(update.version)
                 self._pending_since = time.perf_counter()

@@ -88,6 +88,10 @@ class WeightFolders:
         a separate copy (weight syncs copy tensor by tensor)."""
         return weights_checksum({n: w for n, w in weights.items() if not (self.tied and n == HEAD)})
 
+    def staged_checksum(self, version: int) -> float:
+        """``checksum`` of version ``version``'s folder (read back: it is in RAM)."""
+        return self.checksum(folder_weights(self.written[version]))
+
     def release_older(self, version: int) -> None:
         """Delete the folders of versions below ``version`` (loaded or superseded)."""
         for old in [v for v in self.written if v < version]:

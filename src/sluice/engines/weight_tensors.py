@@ -136,6 +136,10 @@ class WeightTensors:
     def checksum(self, weights: Mapping[str, torch.Tensor]) -> float:
         return self._folders.checksum(weights)
 
+    def staged_checksum(self, version: int) -> float:
+        """``checksum`` of version ``version``'s block."""
+        return self.checksum(dict(self.staged[version].items))
+
     def release_older(self, version: int) -> None:
         """Free the blocks of versions below ``version`` (loaded or superseded)."""
         for old in [v for v in self.staged if v < version]:
