@@ -15,6 +15,12 @@ controller does after a training step). Columns, medians over the versions:
 
 Prints a table and writes JSON. ``.venv/bin/python benchmarks/weight_sync.py [--sizes 1 16 64]``
 (millions of float32 parameters).
+
+``--vllm`` (in ``.venv-vllm``) adds the vLLM engine's side, both ``vllm.weight_transfer`` modes
+in the same run: per model (``--vllm-models``), the seconds per weight update that the engine
+stands closed when it reloads a tmpfs folder vs when it reloads tensors sent in memory
+(``harness/vllm_weight_sync.py`` defines the columns). ``--sizes`` with no value skips the Ray
+rows: ``.venv-vllm/bin/python benchmarks/weight_sync.py --vllm --sizes``.
 """
 
 from __future__ import annotations
@@ -110,13 +116,38 @@ def measure(backend: str, millions: float, versions: int, step_s: float) -> dict
     }  # fmt: skip
 
 
+def print_vllm(rows: list[dict[str, Any]]) -> None:
+    print(f"{'vLLM model':<10} {'MB':>6} {'transfer':<8} {'stage s':>8} {'load s':>8} {'exposed s':>9} "
+          f"{'vs folder':>9} {'files':>5}  greedy ok")  # fmt: skip
+    base: dict[str, float] = {}
+    for r in rows:
+        ref = base.setdefault(r["model"], r["exposed_s"])
+        print(
+            f"{r['model']:<10} {r['mb']:>6.1f} {r['mode']:<8} {r['stage_s']:>8.4f} {r['load_s']:>8.4f} "
+            f"{r['exposed_s']:>9.4f} {ref / r['exposed_s']:>8.2f}x {r['files']:>5.0f}  {r['greedy_ok']}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=float, nargs="+", default=[1.0, 16.0, 64.0])
+    parser.add_argument("--sizes", type=float, nargs="*", default=[1.0, 16.0, 64.0])
     parser.add_argument("--versions", type=int, default=5)
     parser.add_argument("--step-s", type=float, default=2.0, help="simulated training step for 'overlapped'")
+    parser.add_argument("--vllm", action="store_true", help="add the vLLM rows (needs .venv-vllm)")
+    parser.add_argument("--vllm-models", nargs="+", default=["tiny", "small", "medium"])
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = parser.parse_args()
+    vllm_rows = []
+    if args.vllm:  # first: vLLM's engine processes are spawned before Ray starts any
+        from harness.vllm_weight_sync import measure_vllm
+
+        vllm_rows = [measure_vllm(m, t, args.versions) for m in args.vllm_models for t in ("folder", "memory")]
+        print_vllm(vllm_rows)
+    rows = ray_rows(args) if args.sizes else []
+    write_results(args.out, args, rows, vllm_rows=vllm_rows)
+
+
+def ray_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=2 * 1024**3, log_to_driver=False)
     rows = [measure(b, m, args.versions, args.step_s) for m in args.sizes for b in ("object_store", "broadcast")]
     head = ("backend", "MB", "publish s", "fetch s", "sync s", "vs store", "overlapped")
@@ -128,8 +159,8 @@ def main() -> None:
             f"{r['backend']:<13} {r['mb']:>6.0f} {r['publish_s']:>9.4f} {r['fetch_s']:>8.4f} {r['sync_s']:>8.4f} "
             f"{ref / r['sync_s']:>7.2f}x {r['overlapped_fetch_s']:>10.4f}  {r['identical']}"
         )
-    write_results(args.out, args, rows)
     ray.shutdown()
+    return rows
 
 
 if __name__ == "__main__":

@@ -2,13 +2,19 @@
 
 One engine for the whole module (starting vLLM's engine core costs 15-45 s on CPU), driven
 from one event loop. Reference numbers come from the HF model and the trainer's own
-log-prob code on the same folder. Skipped where vLLM is not installed (the main venv).
+log-prob code on the same folder. The engine takes weight updates in memory (the default
+``weight_transfer``): the update tests assert that no file appears under ``/dev/shm`` or the
+temp folder (private to this module, so other processes' files cannot interfere). Skipped where
+vLLM is not installed (the main venv).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,8 @@ from sluice.engines.hf_train import HFTrainEngine
 from tiny import save_tiny_task_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make vllm-test` runs these in .venv-vllm")
+
+import psutil  # a vLLM dependency
 
 from sluice.engines.vllm_engine import VLLMEngine
 
@@ -46,7 +54,38 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path, loop: asyncio.AbstractEventLoop) -> Iterator[VLLMEngine]:
+def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A temp folder of this module's own, for this process and vLLM's (set before they spawn)."""
+    root = tmp_path_factory.mktemp("vllm_tmpdir")
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = str(root), None
+    yield root
+    if old is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
+
+
+def _files(temp_root: Path) -> set[Path]:
+    """Every file under /dev/shm (where a folder update would go) and the temp folder, except
+    those named after a process outside this one's tree (``sluice-arena-<pid>-0`` of a test
+    running beside this one on a shared machine)."""
+    roots = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    assert Path(tempfile.gettempdir()) == temp_root
+    ours = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
+    found = {p for root in roots if root.is_dir() for p in root.rglob("*") if p.is_file()}
+    return {p for p in found if not _named_after_other(p, roots, ours)}
+
+
+def _named_after_other(path: Path, roots: list[Path], ours: set[int]) -> bool:
+    top = next(path.relative_to(root).parts[0] for root in roots if path.is_relative_to(root))
+    pids = {int(n) for n in re.findall(r"-(\d+)(?=-|$)", top)}
+    return bool(pids) and not pids & ours
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, loop: asyncio.AbstractEventLoop, temp_root: Path) -> Iterator[VLLMEngine]:
     engine = VLLMEngine(model_dir, max_batch=16, kv_cache_mb=16, max_model_len=256)
     # the first sampled batch with log-probs pays a one-off cost; take it here, not in a test
     loop.run_until_complete(engine.generate(_request("warm", _ids(model_dir, "1|"), 4, temperature=1.0)))
@@ -157,7 +196,7 @@ def test_pause_holds_decoding_until_resume(engine: VLLMEngine, model_dir: Path, 
 
 
 def test_interrupt_update_mixes_versions_and_each_token_matches_its_weights(
-    engine: VLLMEngine, model_dir: Path, other_weights: dict[str, torch.Tensor], loop
+    engine: VLLMEngine, model_dir: Path, other_weights: dict[str, torch.Tensor], loop, temp_root: Path
 ) -> None:
     base = engine.version
     old = load_causal_lm(model_dir)
@@ -169,12 +208,14 @@ def test_interrupt_update_mixes_versions_and_each_token_matches_its_weights(
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
         while engine.stats()["generated_tokens"] < start + 40:
             await asyncio.sleep(0.002)
+        before.update(_files(temp_root))
         engine.update_weights(other_weights, base + 1, "interrupt")
         return await asyncio.gather(*tasks)
 
-    start = engine.stats()["generated_tokens"]
+    start, before = engine.stats()["generated_tokens"], set[Path]()
     got = loop.run_until_complete(main())
     assert engine.version == base + 1 and engine.stats()["reprefill_tokens"] > 0
+    assert _files(temp_root) - before == set()  # the new version came in memory: no file written
     assert engine.weights_checksum() == pytest.approx(HFInferenceEngine(new).weights_checksum(), rel=1e-9)
     old_lp, new_lp = _recomputed(old, got, 1.0), _recomputed(new, got, 1.0)
     mixed = 0
@@ -188,7 +229,7 @@ def test_interrupt_update_mixes_versions_and_each_token_matches_its_weights(
 
 
 def test_defer_update_drains_then_reloads(
-    engine: VLLMEngine, model_dir: Path, other_weights: dict[str, torch.Tensor], loop
+    engine: VLLMEngine, model_dir: Path, other_weights: dict[str, torch.Tensor], loop, temp_root: Path
 ) -> None:
     """Runs after the interrupt test: go back to the folder's weights (version +1) in defer mode."""
     original = HFTrainEngine(load_causal_lm(model_dir), lr=1e-3).export_weights()
@@ -199,13 +240,15 @@ def test_defer_update_drains_then_reloads(
         running = asyncio.ensure_future(engine.generate(_request("d-run", _ids(model_dir, "8|"), 120, seed=3)))
         while engine.stats()["running"] == 0:
             await asyncio.sleep(0.002)
+        before.update(_files(temp_root))
         engine.update_weights(original, base + 1, "defer")
         assert engine.stats()["pending_version"] == base + 1
         after = asyncio.ensure_future(engine.generate(greedy))  # waits: admission is closed
         return await running, await after
 
-    drained_before = engine.stats()["weight_drain_s"]
+    drained_before, before = engine.stats()["weight_drain_s"], set[Path]()
     ran, after = loop.run_until_complete(main())
+    assert _files(temp_root) - before == set()  # in memory: no file written
     assert set(ran.versions) == {base} and len(ran.token_ids) == 120  # finished on the old weights
     assert set(after.versions) == {base + 1} and engine.stats()["pending_version"] == -1
     assert engine.stats()["weight_drain_s"] > drained_before
@@ -214,3 +257,8 @@ def test_defer_update_drains_then_reloads(
     while hf.has_work():
         hf.step()
     assert after.token_ids == future.result().token_ids  # the reloaded weights are the folder's again
+    assert after.logprobs == pytest.approx(_recomputed(load_causal_lm(model_dir), [after], 1.0)[0], abs=2e-4)
+    expected = HFInferenceEngine(load_causal_lm(model_dir)).weights_checksum()
+    assert engine.weights_checksum() == pytest.approx(expected, rel=1e-9)
+    sampled = _generate_all(loop, engine, [_request("d-sampled", _ids(model_dir, "2718|"), 40, seed=9)])
+    assert sampled[0].logprobs == pytest.approx(_recomputed(load_causal_lm(model_dir), sampled, 1.0)[0], abs=2e-4)

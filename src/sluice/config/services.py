@@ -16,7 +16,8 @@ from sluice.config.section import Section as _Section
 class VLLMConfig(_Section):
     kv_cache_mb: int = Field(default=256, ge=1)
     """KV-cache size in MiB, set explicitly (vLLM's own sizing misreads the free memory of some CPU
-    hosts). Raise it for long responses or large batches; on GPU use several GiB."""
+    hosts). Raise it for long responses or large batches; on GPU use several GiB, or size by
+    ``gpu_memory_utilization`` instead."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and activations. ``float32`` matches the trainer's log-probs closely;
@@ -29,8 +30,25 @@ class VLLMConfig(_Section):
     """Skip torch.compile / CUDA graphs. ``null``: true on CPU (compiling costs ~30 s there and
     gains nothing), false on GPU."""
 
+    weight_transfer: Literal["memory", "folder"] = "memory"
+    """How each new weight version reaches vLLM: ``memory`` sends the tensors to vLLM's workers
+    and reloads from them (no file written); ``folder`` writes them to a folder under
+    ``weights_dir`` and reloads that by path (what SGLang does; kept for comparison,
+    benchmarks/weight_sync.py)."""
+
     weights_dir: str = "/dev/shm"
-    """Where weight updates are written for vLLM to reload (tmpfs: RAM, no disk I/O)."""
+    """Where the untied copy of a tied-embedding model that vLLM starts from is written, and with
+    ``weight_transfer: folder`` every weight update (tmpfs: RAM, no disk I/O)."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Ranks one vLLM engine shards the model over (vLLM's tensor parallelism). On GPU each rank
+    is a GPU visible to the rollout worker; on CPU vLLM runs one rank per NUMA node, so more ranks
+    than NUMA nodes are refused unless ``VLLM_CPU_OMP_THREADS_BIND`` gives each rank's cores."""
+
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Fraction of each GPU's memory vLLM may take (weights, activations and KV cache); when set,
+    the KV cache gets what is left and ``kv_cache_mb`` is not used. ``null``: the KV cache is
+    ``kv_cache_mb``. GPU only (refused on CPU)."""
 
 
 class SGLangConfig(_Section):

@@ -12,8 +12,10 @@ version its segment started under, exactly.
 - ``defer`` / ``staggered``: close admission, let the running segments finish on the old
   weights, then load. A newer update replaces a staged one (counted).
 
-Updates are written to a versioned tmpfs folder (``weight_folder.py``) at once and loaded by
-path. ``update_weights``, ``abort``, ``pause`` and ``resume`` are synchronous (the Protocol) and
+An update is staged at once by the engine's ``WeightStager``: written to a versioned tmpfs
+folder and loaded by path (``weight_folder.py``: SGLang, vLLM with ``weight_transfer: folder``),
+or kept as tensors in memory and loaded from them (``weight_tensors.py``: vLLM by default).
+``update_weights``, ``abort``, ``pause`` and ``resume`` are synchronous (the Protocol) and
 schedule their backend calls on the running event loop: call them from the loop that awaits
 ``generate``; ``stats()["version"]`` says when a new version is active. The backend does the
 talking (``SegmentBackend``); this module holds no engine library.
@@ -34,7 +36,7 @@ import torch
 from sluice.api.protocols import WeightUpdateMode
 from sluice.api.types import Completion, FinishReason, GenerationRequest
 from sluice.engines.sampling import seed_key
-from sluice.engines.weight_folder import WeightFolders, folder_weights
+from sluice.engines.weight_folder import folder_weights
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +74,9 @@ class SegmentBackend(Protocol):
 
     async def abort(self, segment_id: str) -> None: ...
 
-    async def load(self, folder: Path, version: int) -> None:
-        """Load the weights in ``folder`` (written by ``WeightFolders``) and drop cached prefixes."""
+    async def load(self, staged: Any, version: int) -> None:
+        """Load what the engine's ``WeightStager.write`` returned for ``version`` (a folder, or
+        tensors) and drop cached prefixes."""
         ...
 
     async def pause(self) -> None: ...
@@ -83,12 +86,34 @@ class SegmentBackend(Protocol):
     def close(self) -> None: ...
 
 
+class WeightStager(Protocol):
+    """How updates are kept until loaded: ``WeightFolders`` (a folder per version) or
+    ``WeightTensors`` (tensors in memory)."""
+
+    model_dir: Path
+
+    def write(self, weights: Mapping[str, torch.Tensor], version: int) -> Any:
+        """Stage ``weights`` as ``version``; the result goes to ``SegmentBackend.load``."""
+        ...
+
+    def checksum(self, weights: Mapping[str, torch.Tensor]) -> float: ...
+
+    def staged_checksum(self, version: int) -> float:
+        """``checksum`` of what ``write`` staged for ``version`` (still staged: not yet released)."""
+        ...
+
+    def release_older(self, version: int) -> None:
+        """Free what was staged for versions below ``version``."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class _Update:
-    folder: Path
+    staged: Any
     version: int
     mode: WeightUpdateMode
-    checksum: float
 
 
 @dataclass(eq=False)
@@ -108,11 +133,11 @@ class _Request:
 class SegmentedEngine:
     """Versioned generation and weight updates over a ``SegmentBackend`` (module docstring)."""
 
-    def __init__(self, backend: SegmentBackend, folders: WeightFolders, version: int = 0) -> None:
+    def __init__(self, backend: SegmentBackend, folders: WeightStager, version: int = 0) -> None:
         self.backend = backend
         self.version = version
         self._folders = folders
-        self._checksum = folders.checksum(folder_weights(folders.model_dir))
+        self._checksum: float | None = folders.checksum(folder_weights(folders.model_dir))
         self._requests: dict[str, _Request] = {}
         self._live: set[str] = set()
         self._gate_closed = False
@@ -162,16 +187,17 @@ class SegmentedEngine:
     def update_weights(
         self, weights: Mapping[str, torch.Tensor], version: int, mode: WeightUpdateMode = "interrupt"
     ) -> None:
-        """Stage ``weights`` as ``version`` in a tmpfs folder and load it in ``mode`` (module
-        docstring); the load happens on the event loop, after this returns."""
+        """Stage ``weights`` as ``version`` (a tmpfs folder or tensors: the engine's stager) and
+        load it in ``mode`` (module docstring); the load happens on the event loop, after this
+        returns."""
         if mode not in _MODES:
             raise ValueError(f"unknown weight update mode {mode!r}; expected one of {_MODES}")
-        folder = self._folders.write(weights, version)
+        staged = self._folders.write(weights, version)
         if self._pending is not None:
             self._counts["weight_updates_superseded"] += 1
         else:
             self._pending_since = time.perf_counter()
-        self._pending = _Update(folder, version, mode, self._folders.checksum(weights))
+        self._pending = _Update(staged, version, mode)
         self._gate_closed = True
         if mode == "interrupt":
             for state in self._requests.values():
@@ -191,12 +217,15 @@ class SegmentedEngine:
         return {name: float(v) for name, v in {**values, "version": self.version, "pending_version": pending}.items()}
 
     def weights_checksum(self) -> float:
-        """The float64 sum of the weights last loaded (the model folder's, then each update's), tied
-        weights once; the backend's own parameters may be repacked and cannot be summed alike."""
+        """The float64 sum of the weights last loaded (the model folder's, then each update's as
+        staged), tied weights once; the backend's own parameters may be repacked and cannot be
+        summed alike. Summed on first call per version, so a weight sync does not pay for it."""
+        if self._checksum is None:
+            self._checksum = self._folders.staged_checksum(self.version)
         return self._checksum
 
     def close(self) -> None:
-        """Stop the backend and delete the staged weight folders."""
+        """Stop the backend and drop the staged weights (folders or tensors)."""
         self.backend.close()
         self._folders.close()
 
@@ -259,11 +288,11 @@ class SegmentedEngine:
                 update, self._pending = self._pending, None
                 started = time.perf_counter()
                 self._times["weight_drain_s"] += started - self._pending_since
-                await self.backend.load(update.folder, update.version)
+                await self.backend.load(update.staged, update.version)
                 self._times["weight_load_s"] += time.perf_counter() - started
                 self._times["version_activated_at"] = time.time()
                 logger.debug("weights v%d -> v%d (%s)", self.version, update.version, update.mode)
-                self.version, self._checksum = update.version, update.checksum
+                self.version, self._checksum = update.version, None  # summed when asked: not on the sync path
                 self._counts["weight_updates"] += 1
                 self._folders.release_older(update.version)
                 self._pending_since = time.perf_counter()

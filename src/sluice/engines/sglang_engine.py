@@ -7,6 +7,8 @@ Pinned to SGLang 0.5.23's native routes: ``POST /generate`` with ``input_ids``,
 ``/continue_generation``. A test reads these names from that version's wheel, so an API change
 breaks the build instead of a run. Versions and weight-update modes are ``SegmentedEngine``'s;
 an update is a folder under ``sglang.weights_dir``, which the server must be able to read.
+Weights stay folder-based here (vLLM takes them in memory, ``vllm_engine.py``) until the
+engine can be tested against a real SGLang server: its tensor routes are not used.
 
 SGLang reports log-probs of the temperature-scaled distribution (before top-p), the
 ``Completion.logprobs`` convention. The server's own EOS handling is switched off

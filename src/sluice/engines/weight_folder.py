@@ -88,6 +88,10 @@ class WeightFolders:
         a separate copy (weight syncs copy tensor by tensor)."""
         return weights_checksum({n: w for n, w in weights.items() if not (self.tied and n == HEAD)})
 
+    def staged_checksum(self, version: int) -> float:
+        """``checksum`` of version ``version``'s folder (read back: it is in RAM)."""
+        return self.checksum(folder_weights(self.written[version]))
+
     def release_older(self, version: int) -> None:
         """Delete the folders of versions below ``version`` (loaded or superseded)."""
         for old in [v for v in self.written if v < version]:
@@ -98,13 +102,20 @@ class WeightFolders:
         self.written.clear()
 
     def _save(self, weights: Mapping[str, torch.Tensor], folder: Path) -> None:
-        tensors = {name: w.detach().contiguous().cpu() for name, w in _unaliased(weights).items()}
-        if self.untie:
-            if EMBED not in tensors:
-                raise ValueError(f"update_weights: tied model without {EMBED!r}; cannot untie its output layer")
-            tensors[HEAD] = tensors[EMBED].clone()
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(serving_tensors(weights, self.untie), str(folder / "model.safetensors"), metadata={"format": "pt"})
         (folder / "config.json").write_text(json.dumps(self.config, indent=2))
+
+
+def serving_tensors(weights: Mapping[str, torch.Tensor], untie: bool) -> dict[str, torch.Tensor]:
+    """``weights`` as the engine serves them: contiguous CPU tensors (views where they already
+    are), tied aliases once, and with ``untie`` ``lm_head.weight`` added as a copy of the input
+    embedding."""
+    tensors = {name: w.detach().contiguous().cpu() for name, w in _unaliased(weights).items()}
+    if untie:
+        if EMBED not in tensors:
+            raise ValueError(f"update_weights: tied model without {EMBED!r}; cannot untie its output layer")
+        tensors[HEAD] = tensors[EMBED].clone()
+    return tensors
 
 
 def _unaliased(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
