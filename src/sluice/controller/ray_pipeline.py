@@ -126,11 +126,13 @@ class RayPipeline(_Pipeline):
 
     async def recover_rollout(self) -> None:
         """Once Ray has restarted the rollout worker, bring it to the engines' version (the one
-        being synced, if a sync is in flight: the registry may have dropped the older one).
-        Every wave and call that saw the death awaits the same recovery."""
+        being synced, if a sync is in flight), or to the newest the registry holds if that is
+        newer (it keeps only the latest few: a stopped worker may be replaced after the trainer
+        moved on). Every wave and call that saw the death awaits the same recovery."""
         async with self._recovering:
             actor = self.rollout_actor
             target = self._syncing if self._syncing is not None else self.engine_version
+            target = max(target, await asyncio.to_thread(self.engine_weight_sync.latest_version))
             startup = max(self.spec.config.run.stall_timeout_s, RESTART_TIMEOUT_S)
             stats = await when_alive(actor.engine_stats.remote, startup)
             if int(stats["version"]) >= target:
@@ -141,6 +143,7 @@ class RayPipeline(_Pipeline):
             mode = self.spec.config.rollout.weight_update
             await actor.load_version.remote(self.engine_weight_sync, target, mode)
             await wait_engine_version(actor.engine_stats.remote, target)
+            self.engine_version = max(self.engine_version, target)
 
     async def _on_rollout(self, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` on the rollout worker; if it died meanwhile, once more on its replacement."""
@@ -212,7 +215,7 @@ class RayPipeline(_Pipeline):
         finally:
             self._syncing = None
         await wait_engine_version(self.engine_stats, version)
-        self.engine_version = version
+        self.engine_version = max(self.engine_version, version)  # a recovery may have gone further
         return metrics
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
