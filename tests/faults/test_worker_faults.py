@@ -93,7 +93,9 @@ def _assert_each_sample_once(run_dir: Path, run_steps: int = STEPS) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_a_lost_rollout_worker_is_replaced_and_the_run_finishes(tiny_task_model, tmp_path, ray_cluster, sig):
-    cfg = load_config(None, _overrides(tiny_task_model, tmp_path, "rollout"))
+    # rewards that wait (a remote service): the rollout, not the trainer, is the slow side, so the
+    # kill finds groups in flight (an idle rollout waiting on the staleness gate has none to regenerate)
+    cfg = load_config(None, [*_overrides(tiny_task_model, tmp_path, "rollout"), "reward.latency_s=0.2"])
     fault = _fault_after_step(tmp_path / "rollout", "ray::RolloutWorker", sig)
     result = RLTrainer(cfg, reward=length_reward).fit()
     fault.join()
