@@ -121,12 +121,18 @@ def run_vllm(
         tokens = loop.run_until_complete(generate(requests))
         return time.perf_counter() - start, tokens
     finally:
-        engine.close()
-        pending = asyncio.all_tasks(loop)  # vLLM's output handler outlives the engine's shutdown
-        for task in pending:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        loop.close()
+        close_vllm(engine, loop)
+
+
+def close_vllm(engine: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Close a vLLM engine and the event loop it ran on (its output handler outlives the engine's
+    shutdown: cancel what is left, then close the loop)."""
+    engine.close()
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
 
 
 def throughput_row(mode: str, seconds: float, tokens: Tokens, reference: Tokens | None = None) -> dict[str, Any]:

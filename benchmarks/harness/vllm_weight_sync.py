@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from harness.engine_runs import close_vllm
 from sluice.api import GenerationRequest, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm
@@ -106,12 +107,7 @@ def measure_vllm(name: str, mode: str, versions: int, kv_cache_mb: int = 64) -> 
             rows = loop.run_until_complete(_updates(engine, sets, versions, Path(weights_root)))
             got = loop.run_until_complete(engine.generate(_greedy(1)))
         finally:
-            engine.close()
-            pending = asyncio.all_tasks(loop)  # vLLM's output handler outlives the engine's shutdown
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
+            close_vllm(engine, loop)
         model = load_causal_lm(folder)
         model.load_state_dict(sets[0])  # the last version's weights (seed 1: not the start's)
         reference = HFInferenceEngine(model)
