@@ -161,7 +161,7 @@ def check_trainer(args: argparse.Namespace, strategy: str, **options: bool) -> d
         param = next(engine.model.parameters())
         if param.device.type != args.device:
             raise RuntimeError(f"train_engine placed the model on {param.device}, not {args.device}")
-        if strategy != "single":  # one rank of its own group, as TrainerWorker does for data_parallel=1
+        if strategy != "single":  # one rank of its own group, as TrainerWorker does for resources.trainer.ranks=1
             DataParallelGroup(free_tcp_address(), 0, 1, engine.device)
             engine.distribute(strategy, cpu_offload=cfg.cpu_offload)  # offload: the shards move to CPU
         param = next(engine.model.parameters())

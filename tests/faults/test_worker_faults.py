@@ -149,12 +149,17 @@ def test_a_lost_trainer_or_queue_stops_the_run_with_one_line_and_resume_finishes
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_a_lost_engine_replica_is_replaced_and_the_run_finishes(tiny_task_model, tmp_path, ray_cluster, sig):
-    """``fleet.replica_actors``: one of the two engine replicas (an ``EngineHost`` actor) is
+    """``resources.rollout.replica_actors``: one of the two engine replicas (an ``EngineHost`` actor) is
     SIGKILLed (or SIGSTOPped: silent for half the stall timeout, it is killed) mid-run; its
     requests continue on the other replica, a new replica joins with the newest weights, and the
     run loses nothing. A replica actor takes 10-15 s to start here, so the run is long enough for
     its replacement to join."""
-    extra = ("fleet.replica_actors=true", "rollout.replicas=2", "run.steps=120", "run.checkpoint_every=60")
+    extra = (
+        "resources.rollout.replica_actors=true",
+        "resources.rollout.replicas=2",
+        "run.steps=120",
+        "run.checkpoint_every=60",
+    )
     extra += ("run.stall_timeout_s=60",)  # a loaded machine can be slow to start the first step
     cfg = load_config(None, _overrides(tiny_task_model, tmp_path, "replica", *extra))
     fault = _fault_after_step(tmp_path / "replica", "ray::EngineHost", sig, step=1, of=2)

@@ -103,7 +103,7 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     one, one_weights = _run(model_dir, tmp_path, f"dp1-{updates}", *common, "run.mode=async", "rollout.max_staleness=0")
     # the ranks under the sync schedule with PPO's updates: the same steps as η = 0 streaming
     two_mode = ["run.mode=sync"] if updates != "one" else ["run.mode=async", "rollout.max_staleness=0"]
-    ranks = ["trainer.data_parallel=2", f"trainer.strategy={strategy}"]
+    ranks = ["resources.trainer.ranks=2", f"trainer.strategy={strategy}"]
     two, two_weights = _run(model_dir, tmp_path, f"dp2-{updates}-{strategy}", *common, *two_mode, *ranks)
     assert _train(two, "step", "trained_tokens", "reward_mean") == _train(one, "step", "trained_tokens", "reward_mean")
     want_updates = 4.0 if updates != "one" else 1.0
@@ -134,7 +134,7 @@ def test_two_replicas_redundant_groups_and_staggered_updates_end_to_end(model_di
 
     options = [
         "rollout.max_new_tokens=8", "rollout.filter_groups=zero_signal", "run.mode=async", "run.backend=local",
-        "rollout.replicas=2", "rollout.redundant_groups=3", "rollout.weight_update=staggered",
+        "resources.rollout.replicas=2", "rollout.redundant_groups=3", "rollout.weight_update=staggered",
         "rollout.max_staleness=1", "rollout.max_batch=4",
     ]  # fmt: skip
     cfg = load_config(None, [*tiny_run_overrides(model_dir, tmp_path, "replicas"), *options])

@@ -54,7 +54,7 @@ def test_longest_first_dispatch_on_the_live_path(tiny_task_model, tmp_path):
 
 def test_long_tail_replicas_on_the_live_path(tiny_task_model, tmp_path):
     records, _ = _run(
-        tiny_task_model, tmp_path, "long_tail", "run.mode=async", "run.backend=local", "rollout.replicas=2",
+        tiny_task_model, tmp_path, "long_tail", "run.mode=async", "run.backend=local", "resources.rollout.replicas=2",
         "rollout.max_staleness=0", "run.steps=3", "fleet.lpt=true", "fleet.long_tail_replicas=1",
         "fleet.long_tail_max_batch=1",
     )  # fmt: skip
@@ -70,7 +70,7 @@ def test_long_tail_replicas_on_the_live_path(tiny_task_model, tmp_path):
 def test_replicas_as_ray_actors_train_and_hold_the_trainers_weights(tiny_task_model, tmp_path, ray_cluster):
     records, _ = _run(
         tiny_task_model, tmp_path, "actors", "run.mode=async", "run.backend=ray", "rollout.max_staleness=1",
-        "rollout.replicas=2", "fleet.replica_actors=true", "fleet.weight_transfer=broadcast",
+        "resources.rollout.replicas=2", "resources.rollout.replica_actors=true", "fleet.weight_transfer=broadcast",
     )  # fmt: skip
     assert len([r for r in records if r["kind"] == "train"]) == 2
     weights = next(r for r in records if r["kind"] == "weights")  # both actors' checksums must agree

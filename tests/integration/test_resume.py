@@ -116,7 +116,7 @@ def test_sigkill_mid_step_then_resume_auto_trains_each_sample_once(tiny_task_mod
     run = _run(tiny_task_model, tmp_path, "killed", "run.mode=async", "rollout.max_staleness=0", f"run.steps={steps}")
     run += ["run.backend=ray", f"run.ray_address={address}"]
     if ranks == "fsdp2":
-        run += ["trainer.data_parallel=2", "trainer.strategy=fsdp2", "trainer.lr_schedule=cosine"]
+        run += ["resources.trainer.ranks=2", "trainer.strategy=fsdp2", "trainer.lr_schedule=cosine"]
     run_dir = tmp_path / "killed"
     driver = subprocess.Popen(
         [sys.executable, "-m", "sluice.cli", "train", *run, "run.checkpoint_every=2", "run.keep_checkpoints=1"],
@@ -141,7 +141,7 @@ def test_sigkill_mid_step_then_resume_auto_trains_each_sample_once(tiny_task_mod
     RLTrainer(cfg).fit()
     if ranks == "fsdp2":
         assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*/trainer/dcp/*.distcp"))
-    one_rank = ["trainer.data_parallel=1", "trainer.strategy=single"]  # the same samples in one process
+    one_rank = ["resources.trainer.ranks=1", "trainer.strategy=single"]  # the same samples in one process
     whole_cfg = load_config(None, [*run, "run.name=whole", "run.backend=local", *one_rank])
     RLTrainer(whole_cfg).fit()
     ids, logged = trained_ids(run_dir)

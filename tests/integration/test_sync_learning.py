@@ -65,7 +65,7 @@ def test_same_seed_same_run(model_dir, tmp_path):
 
 def test_sync_runs_the_async_options_on_the_same_workers(model_dir, tmp_path):
     """Two replicas behind the LLMProxy, and zero-signal groups discarded, counted and replaced."""
-    extra = ["rollout.replicas=2", "rollout.filter_groups=zero_signal", "run.steps=2"]
+    extra = ["resources.rollout.replicas=2", "rollout.filter_groups=zero_signal", "run.steps=2"]
     result = RLTrainer(_config(model_dir, tmp_path, "opts", *extra), reward=length_reward).fit()
     fates = _records(result.run_dir, "fates")[0]
     assert fates["groups_trained"] == 2 * 4

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sluice.config import ConfigError, SluiceConfig, dump_config, load_config
 from sluice.config.models import RolloutConfig, RunConfig
@@ -95,12 +96,17 @@ def test_config_reference_is_current():
 
 
 def test_sync_is_eta_zero_and_refuses_only_what_needs_overlap():
-    sync = ["run.mode=sync", "rollout.replicas=2", "rollout.redundant_groups=4", "rollout.filter_groups=zero_signal"]
+    sync = [
+        "run.mode=sync",
+        "resources.rollout.replicas=2",
+        "rollout.redundant_groups=4",
+        "rollout.filter_groups=zero_signal",
+    ]
     cfg = load_config(
         None,
-        [*sync, "rollout.engine=vllm", "agentic.env=calculator", "trainer.data_parallel=2", "trainer.strategy=ddp"],
+        [*sync, "rollout.engine=vllm", "agentic.env=calculator", "resources.trainer.ranks=2", "trainer.strategy=ddp"],
     )
-    assert cfg.rollout.max_staleness == 0 and cfg.rollout.replicas == 2 and cfg.trainer.data_parallel == 2
+    assert cfg.rollout.max_staleness == 0 and cfg.resources.rollout.replicas == 2 and cfg.resources.trainer.ranks == 2
     assert load_config(None, ["run.mode=sync", "rollout.max_staleness=0"]).rollout.max_staleness == 0
     with pytest.raises(ConfigError, match=r"rollout\.max_staleness: run\.mode=sync trains on-policy"):
         load_config(None, ["run.mode=sync", "rollout.max_staleness=2"])
@@ -111,15 +117,40 @@ def test_sync_is_eta_zero_and_refuses_only_what_needs_overlap():
     assert built.rollout.max_staleness == 0 and built.rollout.group_size == 4
     with pytest.raises(ValueError, match=r"rollout\.max_staleness: run\.mode=sync"):
         SluiceConfig(run=RunConfig(mode="sync"), rollout=RolloutConfig(max_staleness=2))
-    cfg = load_config(None, ["rollout.replicas=2", "rollout.redundant_groups=16", "rollout.scheduling=batch"])
-    assert (cfg.rollout.replicas, cfg.rollout.redundant_groups, cfg.rollout.scheduling) == (2, 16, "batch")
+    cfg = load_config(None, ["resources.rollout.replicas=2", "rollout.redundant_groups=16", "rollout.scheduling=batch"])
+    assert (cfg.resources.rollout.replicas, cfg.rollout.redundant_groups, cfg.rollout.scheduling) == (2, 16, "batch")
 
 
 def test_data_parallel_takes_ppo_updates_and_a_critic():
-    dp = ["run.mode=async", "run.backend=ray", "trainer.data_parallel=2", "trainer.strategy=ddp"]
+    dp = ["run.mode=async", "run.backend=ray", "resources.trainer.ranks=2", "trainer.strategy=ddp"]
     updates = ["trainer.ppo_mini_batches=4", "trainer.ppo_epochs=2", "trainer.prox_logprobs=recompute"]
     assert load_config(None, [*dp, *updates]).trainer.ppo_mini_batches == 4
     assert load_config(None, [*dp, "trainer.algorithm=ppo"]).trainer.algorithm == "ppo"
     assert load_config(None, [*dp[:-1], "trainer.strategy=fsdp2", "trainer.algorithm=ppo"]).trainer.strategy == "fsdp2"
     with pytest.raises(ConfigError, match=r"needs run\.backend: ray"):
-        load_config(None, ["trainer.data_parallel=2", "trainer.strategy=ddp", "run.backend=local"])
+        load_config(None, ["resources.trainer.ranks=2", "trainer.strategy=ddp", "run.backend=local"])
+    with pytest.raises(ConfigError, match=r"resources\.trainer\.ranks=2 needs trainer\.strategy: ddp or fsdp2"):
+        load_config(None, ["resources.trainer.ranks=2", "run.backend=ray"])
+
+
+MOVED_OPTIONS = [
+    ("trainer", "data_parallel", 2, "resources.trainer.ranks"),
+    ("run", "trainer_threads", 2, "resources.trainer.threads"),
+    ("run", "rollout_threads", 2, "resources.rollout.threads"),
+    ("rollout", "replicas", 2, "resources.rollout.replicas"),
+    ("fleet", "replica_actors", True, "resources.rollout.replica_actors"),
+]
+
+
+@pytest.mark.parametrize(("section", "name", "value", "new"), MOVED_OPTIONS)
+def test_a_moved_option_is_refused_naming_its_replacement(tmp_path, section, name, value, new):
+    want = f"^{section}\\.{name} was moved: use {new.replace('.', chr(92) + '.')}$"
+    with pytest.raises(ConfigError, match=want):
+        load_config(None, [f"{section}.{name}={value}"])
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {name: value}}))
+    with pytest.raises(ConfigError, match=want):
+        load_config(path)
+    dotted = new.split(".")
+    cfg = load_config(None, [f"{new}={value}", "trainer.strategy=ddp"])  # ddp: two ranks need a group
+    assert getattr(getattr(cfg.resources, dotted[1]), dotted[2]) == value

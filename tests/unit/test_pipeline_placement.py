@@ -12,7 +12,8 @@ from fakes import length_reward
 from sluice.api import SamplingParams
 from sluice.config import load_config
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
-from sluice.controller.ray_pipeline import RayPipeline, actor_cpu_share, gpu_share
+from sluice.controller.placement import actor_cpu_share, bundle_node, gpu_share, node_address, plan_placement
+from sluice.controller.ray_pipeline import RayPipeline
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
 from sluice.trainer.ppo import VALUES_COLUMN
@@ -25,18 +26,27 @@ def _spec(*overrides: str) -> PipelineSpec:
     return PipelineSpec(config, Path("."), length_reward, params)
 
 
+def _share(cpus: float, spec: PipelineSpec) -> float:
+    """Each actor's CPUs as the pipeline plans them (the rollout's, which every trainer rank and
+    node-task worker gets too)."""
+    plan = plan_placement(spec.config.resources, {"CPU": cpus}, len(queue_tasks(spec)) - 1)
+    assert all(slot.cpus == plan.rollout.cpus for slot in plan.trainers)
+    return plan.rollout.cpus
+
+
 def test_actors_share_cpus_so_trainer_ranks_and_reference_are_placed_together():
     # 2 CPUs: rollout + 2 trainer ranks must all start, or the ranks' rendezvous never completes
-    assert actor_cpu_share(2.0, _spec("trainer.data_parallel=2", "trainer.strategy=ddp")) * 3 <= 2.0
-    assert actor_cpu_share(2.0, _spec()) == 1.0  # rollout + one trainer: a CPU each
-    assert actor_cpu_share(16.0, _spec("trainer.data_parallel=4", "trainer.strategy=ddp")) == 1.0
+    assert _share(2.0, _spec("resources.trainer.ranks=2", "trainer.strategy=ddp")) * 3 <= 2.0
+    assert _share(2.0, _spec()) == 1.0  # rollout + one trainer: a CPU each
+    assert _share(16.0, _spec("resources.trainer.ranks=4", "trainer.strategy=ddp")) == 1.0
     # with a KL term the trainer waits on the reference worker's column
-    assert actor_cpu_share(2.0, _spec("trainer.kl_coef=0.01")) * 3 <= 2.0
+    assert _share(2.0, _spec("trainer.kl_coef=0.01")) * 3 <= 2.0
+    assert actor_cpu_share(2.0, 3) * 3 <= 2.0
 
 
 def test_the_critic_values_task_gets_a_worker_and_the_trainer_reads_its_column():
     critic = _spec("trainer.algorithm=ppo")
-    assert actor_cpu_share(2.0, critic) * 3 <= 2.0  # rollout, trainer and the critic-values worker
+    assert _share(2.0, critic) * 3 <= 2.0  # rollout, trainer and the critic-values worker
     tasks = queue_tasks(critic)
     assert tasks["values"] == SAMPLE_COLUMNS and tasks[TRAIN_TASK] == (*SAMPLE_COLUMNS, VALUES_COLUMN)
     assert set(queue_tasks(_spec())) == {TRAIN_TASK}
@@ -68,7 +78,64 @@ def test_a_failed_column_task_stops_the_run_instead_of_leaving_the_trainer_waiti
 
 
 def test_workers_get_a_gpu_each_only_when_the_cluster_has_one_for_each():
-    assert gpu_share(0, 2) == (0.0, 0.0)  # CPU cluster: every engine on CPU
-    assert gpu_share(1, 2) == (1.0, 0.0)  # the rollout takes the GPU, the ranks train on CPU
-    assert gpu_share(8, 7) == (1.0, 1.0)  # 1 rollout + 7 trainer ranks on one 8-GPU node
-    assert gpu_share(8, 8) == (1.0, 0.0)
+    assert gpu_share(0, 1, 2) == (0.0, 0.0)  # CPU cluster: every engine on CPU
+    assert gpu_share(1, 1, 2) == (1.0, 0.0)  # the rollout takes the GPU, the ranks train on CPU
+    assert gpu_share(8, 1, 7) == (1.0, 1.0)  # 1 rollout + 7 trainer ranks on one 8-GPU node
+    assert gpu_share(8, 1, 8) == (1.0, 0.0)
+    assert gpu_share(8, 4, 4) == (1.0, 1.0)  # 4 replicas + 4 ranks
+    assert gpu_share(2, 4, 4) == (0.25, 0.0)  # the replicas share the rollout's one GPU
+
+
+def _plan(*overrides: str, cluster: dict[str, float] | None = None):
+    resources = _spec(*overrides).config.resources
+    return plan_placement(resources, cluster or {"CPU": 16.0, "GPU": 8.0}, 0)
+
+
+def test_colocated_packs_rollout_and_trainer_bundles_in_one_group():
+    eight = ["resources.rollout.replicas=4", "resources.rollout.gpus=1", "resources.rollout.replica_actors=true"]
+    ranks = ["resources.trainer.ranks=4", "resources.trainer.gpus=1", "trainer.strategy=fsdp2"]
+    plan = _plan(*eight, *ranks, "resources.placement=colocated")
+    assert [strategy for strategy, _ in plan.groups] == ["PACK"]
+    bundles = plan.groups[0][1]
+    assert bundles[0] == {"CPU": 1.0, "GPU": 4.0} and bundles[1:] == [{"CPU": 1.0, "GPU": 1.0}] * 4
+    assert (plan.rollout.group, plan.rollout.bundle, plan.rollout.gpus) == (0, 0, 0.0)  # the replicas hold the GPUs
+    assert plan.replica_gpus == 1.0
+    assert [(s.group, s.bundle, s.gpus) for s in plan.trainers] == [(0, 1 + r, 1.0) for r in range(4)]
+
+
+def test_disaggregated_gives_each_role_its_own_group_and_node_labels():
+    labels = ["resources.rollout.node_resource=rollout_node", "resources.trainer.node_resource=train_node"]
+    plan = _plan("resources.rollout.replicas=2", "resources.trainer.ranks=2", "trainer.strategy=ddp",
+                 "resources.placement=disaggregated", *labels, "resources.rollout.cpus=2")  # fmt: skip
+    assert [(strategy, len(bundles)) for strategy, bundles in plan.groups] == [("PACK", 1), ("PACK", 2)]
+    assert plan.groups[0][1] == [{"CPU": 2.0, "GPU": 2.0, "rollout_node": 0.001}]  # in-process replicas
+    assert plan.groups[1][1] == [{"CPU": 1.0, "GPU": 1.0, "train_node": 0.001}] * 2
+    assert plan.rollout.labels == {"rollout_node": 0.001} and plan.rollout.gpus == 2.0 and plan.replica_gpus == 0.0
+    assert [(s.group, s.bundle, s.labels) for s in plan.trainers] == [(1, r, {"train_node": 0.001}) for r in range(2)]
+    cpu = _plan("resources.placement=disaggregated", cluster={"CPU": 4.0})
+    assert cpu.groups == [("PACK", [{"CPU": 1.0}]), ("PACK", [{"CPU": 1.0}])]  # no zero GPUs (Ray refuses them)
+
+
+NODES = [
+    {"NodeID": "aa", "Alive": True, "NodeManagerAddress": "10.0.0.1", "NodeManagerHostname": "head"},
+    {"NodeID": "bb", "Alive": False, "NodeManagerAddress": "10.0.0.9", "NodeManagerHostname": "gone"},
+    {"NodeID": "bb", "Alive": True, "NodeManagerAddress": "10.0.0.2", "NodeManagerHostname": "trainer-host"},
+]
+
+
+def test_rendezvous_addresses_are_the_chosen_nodes_ip_never_a_hostname():
+    table = {"bundles_to_node_id": {0: "aa", 1: "bb", 2: "bb"}}  # rollout on the head, ranks on bb
+    assert node_address(bundle_node(table, 1), NODES) == "10.0.0.2"  # trainer rank 0's node, alive
+    assert node_address(bundle_node(table, 0), NODES) == "10.0.0.1"
+    with pytest.raises(RuntimeError, match="cc is not among"):
+        node_address("cc", NODES)
+
+
+def test_a_ray_workers_device_is_the_gpu_ray_gave_it():
+    from sluice.engines.hf_model import device_for, ray_gpu_ids
+
+    assert device_for(["0"], cuda_available=True).type == "cuda"
+    assert device_for([], cuda_available=True).type == "cpu"  # Ray gave it none: not another worker's GPU
+    assert device_for(None, cuda_available=True).type == "cuda"  # no Ray: what is visible
+    assert device_for(None, cuda_available=False).type == "cpu"
+    assert ray_gpu_ids() is None  # this test process is no Ray worker

@@ -106,9 +106,13 @@ def test_fleet_config_picks_the_transfer() -> None:
     trainer, engines = weight_syncs(FleetConfig(weight_transfer="broadcast", broadcast_backend="gloo"), "unused")
     assert isinstance(trainer, BroadcastWeightSync) and isinstance(engines, BroadcastWeightSync)
     assert (trainer.rank, engines.rank) == (0, 1) and trainer.group == engines.group
+    assert trainer.group.address.startswith("tcp://127.0.0.1:")  # no cluster: this node's loopback
+    fleet = FleetConfig(weight_transfer="broadcast", broadcast_backend="gloo")
+    on_trainer_node = weight_syncs(fleet, "unused", "tcp://10.0.0.2:29500")  # the Ray pipeline's choice
+    assert {sync.group.address for sync in on_trainer_node} == {"tcp://10.0.0.2:29500"}  # type: ignore[attr-defined]
     assert load_config(None, ["fleet.weight_transfer=broadcast"]).fleet.weight_transfer == "broadcast"
     with pytest.raises(ValueError, match=r"run\.backend: ray"):
         load_config(None, ["fleet.weight_transfer=broadcast", "run.backend=local"])
-    with pytest.raises(ValueError, match=r"fleet\.replica_actors needs"):
-        load_config(None, ["fleet.replica_actors=true", "run.backend=local"])
+    with pytest.raises(ValueError, match=r"resources\.rollout\.replica_actors needs"):
+        load_config(None, ["resources.rollout.replica_actors=true", "run.backend=local"])
     assert load_config(None, ["fleet.lpt=true", "run.mode=sync"]).fleet.lpt  # sync runs the same LLMProxy

@@ -40,7 +40,7 @@ VARIANTS: dict[str, list[str]] = {
     "async η=1": ["run.mode=async", "rollout.max_staleness=1"],
     "async η=2": ["run.mode=async", "rollout.max_staleness=2"],
     "async η=4": ["run.mode=async", "rollout.max_staleness=4"],
-    "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "trainer.data_parallel=2", "trainer.strategy=ddp"],
+    "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "resources.trainer.ranks=2", "trainer.strategy=ddp"],
     "sync 1 thread": ["run.mode=sync", "run.backend=local", "run.threads=1"],
 }
 

@@ -31,7 +31,7 @@ class FleetConfig(_Section):
     replica (all removed), its requests go to the other. 0 turns it off. Turn it on when lengths
     are long-tailed and predictable and the step waits for its longest responses decoding in full
     batches; choose the count so the dedicated replicas' share of the fleet matches the long
-    tail's share of the tokens. Needs ``fleet.lpt`` and fewer than ``rollout.replicas``."""
+    tail's share of the tokens. Needs ``fleet.lpt`` and fewer than ``resources.rollout.replicas``."""
 
     long_tail_share: float = Field(default=0.2, gt=0.0, lt=1.0)
     """``long_tail_replicas > 0``: the share of requests treated as long tail (StreamRL: 20 %),
@@ -42,14 +42,6 @@ class FleetConfig(_Section):
     ``rollout.max_batch``); the engine's batch-size knee, where per-token time starts to grow, is
     the natural choice."""
 
-    replica_actors: bool = False
-    """Run each of the ``rollout.replicas`` inference engines in its own Ray actor (its own
-    process and ``run.rollout_threads`` torch threads) instead of inside the rollout worker's
-    process; the LLMProxy drives them through Ray, and weights reach them through the object
-    store after the rollout worker fetched them. Turn it on when there are devices or cores for
-    each replica (on accelerators: one replica per device); off, replicas share one process and
-    add no speed. ``run.backend: ray`` only."""
-
     weight_transfer: Literal["object_store", "broadcast"] = "object_store"
     """How a new policy version travels from trainer rank 0 to the rollout worker:
     ``object_store`` (one ``ray.put`` per version, fetched on demand; works on any Ray cluster) or
@@ -57,7 +49,8 @@ class FleetConfig(_Section):
     NCCL on CUDA: each version is pushed as soon as it is published, beside the next training
     step, so the sync finds it already there). Use ``broadcast`` when weights are large relative to
     a step (the object store copies them twice and fetches only when asked); ``run.backend: ray``
-    only, on one node (the group meets at a port on the trainer's node)."""
+    only; the group meets at a port on trainer rank 0's node, at its IP as Ray knows it, so the
+    rollout may run on another node."""
 
     broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``weight_transfer: broadcast``: the collective library (``auto``: NCCL when CUDA is
@@ -72,8 +65,6 @@ def check_fleet(fleet: FleetConfig, backend: str) -> None:
     """Refuse fleet options the run's placement cannot honour (one clear error)."""
     if fleet.long_tail_replicas and not fleet.lpt:
         raise ValueError("fleet.long_tail_replicas needs fleet.lpt: true (the long tail is what the ranker predicts)")
-    if fleet.replica_actors and backend != "ray":
-        raise ValueError("fleet.replica_actors needs run.backend: ray")
     if fleet.weight_transfer == "broadcast" and backend != "ray":
         raise ValueError(
             "fleet.weight_transfer: broadcast needs run.backend: ray (trainer and engines in separate processes)"

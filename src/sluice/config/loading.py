@@ -26,11 +26,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _read_yaml(Path(path))
     for item in overrides or []:
         key, value = _parse_override(item)
+        refuse_moved(key)
         _set_dotted(data, key, value)
     return validate_config(data)
 
 
+MOVED = {
+    "trainer.data_parallel": "resources.trainer.ranks",
+    "run.trainer_threads": "resources.trainer.threads",
+    "run.rollout_threads": "resources.rollout.threads",
+    "rollout.replicas": "resources.rollout.replicas",
+    "fleet.replica_actors": "resources.rollout.replica_actors",
+}
+"""Options that moved (old dotted name → new one): a config naming an old one is refused with
+one message naming the replacement, never silently translated."""
+
+
+def refuse_moved(key: str) -> None:
+    """``ConfigError`` naming the replacement when ``key`` is an option that moved."""
+    if key in MOVED:
+        raise ConfigError(f"{key} was moved: use {MOVED[key]}")
+
+
+def _refuse_moved_in(data: dict[str, Any]) -> None:
+    for old in MOVED:
+        section, _, name = old.partition(".")
+        node = data.get(section)
+        if isinstance(node, dict) and name in node:
+            refuse_moved(old)
+
+
 def validate_config(data: dict[str, Any]) -> SluiceConfig:
+    _refuse_moved_in(data)
     try:
         return SluiceConfig.model_validate(data)
     except ValidationError as err:

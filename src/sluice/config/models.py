@@ -17,6 +17,7 @@ from sluice.config.agentic import AgenticConfig
 from sluice.config.data import DataConfig, EvalConfig, ModelConfig, TaskConfig
 from sluice.config.fleet import FleetConfig, check_fleet
 from sluice.config.modes import sync_is_eta_zero
+from sluice.config.resources import ResourcesConfig, check_resources
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
 from sluice.config.tracking import TrackingConfig
@@ -89,16 +90,11 @@ class RolloutConfig(_Section):
     (``discarded_redundant``) and its credit returned. Pays off with ``filter_groups:
     zero_signal`` and long-tailed lengths."""
 
-    replicas: int = Field(default=1, ge=1)
-    """Inference engine replicas behind the rollout worker's LLMProxy (least-outstanding-tokens
-    routing). They live in the rollout worker's process and share its ``run.rollout_threads``, so
-    adding replicas never oversubscribes the cores (on CPU it adds no speed; on accelerators each
-    replica would own a device)."""
-
     prompt_replication: bool = True
     """Route each of a prompt's samples on its own, so a hard prompt's long samples spread over
     the replicas (ROLL Flash prompt replication); off keeps a group on one replica (prefix
-    sharing). Matters only with ``replicas > 1``; turn it off for long prompts and short answers."""
+    sharing). Matters only with ``resources.rollout.replicas > 1``; turn it off for long prompts
+    and short answers."""
 
     stagger: int = Field(default=1, ge=1)
     """``weight_update: staggered``: how many replicas swap weights at a time while the others keep
@@ -130,13 +126,6 @@ class RunConfig(_Section):
 
     ray_address: str | None = None
     """Ray cluster to join (``ray start --head`` prints it); ``null`` starts a local instance."""
-
-    rollout_threads: int = Field(default=1, ge=1)
-    """torch threads of the rollout worker (decoding tiny models is overhead-bound: 1 is best)."""
-
-    trainer_threads: int = Field(default=1, ge=1)
-    """torch threads of the trainer worker. Threads summed over workers should not exceed the
-    cores; above that, workers use OpenMP's passive wait so they yield cores to each other."""
 
     trace: bool = True
     """Record a timeline of every worker's spans to ``trace.json`` in the run directory
@@ -189,7 +178,7 @@ class RunConfig(_Section):
     stall_timeout_s: float = Field(default=300.0, gt=0.0)
     """A worker that sends no heartbeat, or a training loop that makes no progress, for this many
     seconds ends the run with one line naming it (a stopped or hung process); a rollout worker, or
-    an engine replica actor (``fleet.replica_actors``) silent for half of it, is killed and
+    an engine replica actor (``resources.rollout.replica_actors``) silent for half of it, is killed and
     replaced instead."""
 
     resume: str | None = None
@@ -247,6 +236,15 @@ class SluiceConfig(_Section):
         check_fleet(self.fleet, self.run.backend)
         return self
 
+    resources: ResourcesConfig = ResourcesConfig()
+    """Where the workers run: replica and rank counts, threads, CPUs and GPUs, node labels,
+    colocated or disaggregated placement (config/resources.py)."""
+
+    @model_validator(mode="after")
+    def _resources_fit(self) -> SluiceConfig:
+        check_resources(self.resources, self.run.backend, self.trainer.strategy)
+        return self
+
     agentic: AgenticConfig = AgenticConfig()
     """Multi-turn environments (agentic RL): env, EnvRunner mode, redundancy, timeouts."""
 
@@ -255,8 +253,6 @@ class SluiceConfig(_Section):
         t = self.trainer
         if t.lr_warmup_steps > self.run.steps:
             raise ValueError(f"trainer.lr_warmup_steps ({t.lr_warmup_steps}) exceeds run.steps ({self.run.steps})")
-        if t.data_parallel > 1 and self.run.backend != "ray":
-            raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")
         return self
 
     def engine_options(self) -> dict[str, Any]:

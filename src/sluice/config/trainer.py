@@ -140,14 +140,6 @@ class TrainerConfig(_Section):
     with step-wide normalisation, so this changes memory and speed, never the result. Smaller
     micro-batches let the streaming trainer start earlier in a step."""
 
-    data_parallel: int = Field(default=1, ge=1)
-    """Trainer processes (ranks of ``torch.distributed``: gloo on CPU, NCCL on CUDA, chosen by
-    where the tensors are). Each trains its share of a step's groups, dealt by tokens; gradients
-    are summed once per optimizer update (each PPO mini-batch and epoch, under that mini-batch's
-    normaliser over all ranks), so the update equals one process's up to float rounding. More
-    than 1 needs ``run.backend: ray`` and ``strategy: ddp`` or ``fsdp2``. Each rank takes
-    ``run.trainer_threads`` threads."""
-
     strategy: Literal["single", "ddp", "fsdp2"] = "single"
     """How the ranks hold the model (``docs/hardware.md``): ``single`` (one process, no group),
     ``ddp`` (torch DDP: a full replica per rank, gradients all-reduced), ``fsdp2`` (torch
@@ -175,11 +167,6 @@ class TrainerConfig(_Section):
 
     @model_validator(mode="after")
     def _strategy_fits_ranks(self) -> TrainerConfig:
-        if self.data_parallel > 1 and self.strategy == "single":
-            raise ValueError(
-                f"trainer.data_parallel={self.data_parallel} needs trainer.strategy: ddp or fsdp2 "
-                "(single is one process)"
-            )
         if self.cpu_offload and self.strategy != "fsdp2":
             raise ValueError("trainer.cpu_offload needs trainer.strategy: fsdp2")
         return self

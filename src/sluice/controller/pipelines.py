@@ -60,16 +60,18 @@ class PipelineSpec:
     """Multi-turn episodes of an environment instead of single-turn groups (``rollout/agentic.py``)."""
 
     @property
-    def data_parallel(self) -> int:
-        return self.config.trainer.data_parallel
+    def ranks(self) -> int:
+        return self.config.resources.trainer.ranks
 
     @property
     def rollout_threads(self) -> int:
-        return self._threads(self.config.run.rollout_threads)
+        """The rollout worker's torch threads (``resources.rollout.threads``)."""
+        return self._threads(self.config.resources.rollout.threads)
 
     @property
     def trainer_threads(self) -> int:
-        return self._threads(self.config.run.trainer_threads)
+        """Each trainer rank's torch threads (``resources.trainer.threads``)."""
+        return self._threads(self.config.resources.trainer.threads)
 
     def _threads(self, own: int) -> int:
         """``sync`` overlaps nothing, so each phase may take every thread of ``run.threads``."""
@@ -116,8 +118,8 @@ class LocalPipeline(_Pipeline):
     """All workers in this process: rollout on the event loop, trainer in one worker thread."""
 
     def __init__(self, spec: PipelineSpec, prompts: PromptStream) -> None:
-        if spec.data_parallel > 1:
-            raise ValueError("trainer.data_parallel > 1 needs run.backend: ray (one process per rank)")
+        if spec.ranks > 1:
+            raise ValueError("resources.trainer.ranks > 1 needs run.backend: ray (one process per rank)")
         super().__init__(spec, prompts)
         self.queue = LocalQueue(free_consumed=True)  # a row is freed once every task read it
         for task, columns in queue_tasks(spec).items():
@@ -215,15 +217,20 @@ async def wait_engine_version(engine_stats: Callable[[], Awaitable[dict[str, flo
         await asyncio.sleep(WEIGHT_POLL_S)
 
 
-def weight_syncs(fleet: FleetConfig, name: str) -> tuple[WeightSync, WeightSync]:
-    """(the trainer's, the rollout worker's) views of the run's weight transfer (``fleet.*``)."""
+def weight_syncs(fleet: FleetConfig, name: str, address: str | None = None) -> tuple[WeightSync, WeightSync]:
+    """(the trainer's, the rollout worker's) views of the run's weight transfer (``fleet.*``);
+    ``address``: where a broadcast group meets (a free port on trainer rank 0's node; ``None``: on
+    this node's loopback)."""
     from sluice.weights import BroadcastWeightSync, ObjectStoreWeightSync
 
     if fleet.weight_transfer == "broadcast":
         from sluice.trainer.data_parallel import free_tcp_address
 
         group = BroadcastWeightSync(
-            free_tcp_address(), receivers=1, backend=fleet.broadcast_backend, timeout_s=fleet.broadcast_timeout_s
+            address or free_tcp_address(),
+            receivers=1,
+            backend=fleet.broadcast_backend,
+            timeout_s=fleet.broadcast_timeout_s,
         )
         return group.publisher(), group.receiver(1)
     sync = ObjectStoreWeightSync(name=name)
@@ -256,7 +263,8 @@ def node_worker_kwargs(spec: PipelineSpec, critic_sync: WeightSync | None) -> di
     }
 
 
-def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
+def rollout_kwargs(spec: PipelineSpec, queue: Any, replica_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``replica_options``: Ray options of the engine replica actors (their placement)."""
     cfg = spec.config
     return {
         "model_dir": spec.model_dir,
@@ -264,6 +272,8 @@ def rollout_kwargs(spec: PipelineSpec, queue: Any) -> dict[str, Any]:
         "reward": spec.reward,
         "params": spec.params,
         "rollout": cfg.rollout,
+        "resources": cfg.resources.rollout,
+        "replica_options": replica_options,
         "run_seed": cfg.run.seed,
         "reward_config": cfg.reward,
         "fleet": cfg.fleet,
@@ -286,6 +296,7 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
         "group_size": spec.config.rollout.group_size,
         "steps": spec.config.run.steps,
         "threads": spec.trainer_threads,
+        "ranks": spec.ranks,
         "trace": spec.config.run.trace,
         "trace_max_events": spec.config.run.trace_max_events,
         "critic_sync": critic_sync,

@@ -6,7 +6,7 @@ that dir, so a resumed run finds what its crashed predecessor left) and ``SLUICE
 (the driver's pid and start time: which driver a process belongs to, unambiguous across pid
 reuse). Every child inherits them: Ray's local instance and its workers, the reward pool's
 forkserver and workers; Ray actors get them again through their ``runtime_env``
-(``ray_pipeline._actor_options``), for a cluster that was not started by this driver.
+(``ray_pipeline._runtime``), for a cluster that was not started by this driver.
 
 ``sweep_leftovers`` (at start-up) stops the processes with the run's tag whose driver is gone,
 SIGTERM then SIGKILL after a grace; ``stop_own_processes`` (at the run's end, on every path)

@@ -1,6 +1,7 @@
 """The ``ray`` placement of the asynchronous pipeline: one Ray actor per role (rollout, each trainer
 rank, the reference and critic-values workers) plus the queue's storage and controller actors,
-with each actor's CPU share and thread settings. It builds the same parts as ``LocalPipeline``
+the rollout and trainer actors in the placement groups ``resources`` asks for
+(``controller/placement.py``), with each actor's thread settings. It builds the same parts as ``LocalPipeline``
 (``controller/pipelines.py``) from the same ``PipelineSpec``; it decides nothing about what runs
 when.
 """
@@ -28,6 +29,7 @@ from sluice.controller.pipelines import (
     wait_engine_version,
     weight_syncs,
 )
+from sluice.controller.placement import RayPlacement, actor_cpu_share, plan_placement
 from sluice.controller.processes import DRIVER_VAR, TAG_VAR
 from sluice.controller.ray_supervision import (
     HEALTH,
@@ -51,7 +53,7 @@ T = TypeVar("T")
 
 class RayPipeline(_Pipeline):
     """One Ray actor per role (rollout, trainer) plus the queue's storage and controller actors;
-    with ``data_parallel`` > 1, that many trainer actors form one process group, and each step's
+    with ``resources.trainer.ranks`` > 1, that many trainer actors form one process group, and each step's
     groups are dealt to them by tokens (each to the rank with the fewest so far)."""
 
     def __init__(self, spec: PipelineSpec, prompts: PromptStream, address: str | None = None) -> None:
@@ -61,48 +63,50 @@ class RayPipeline(_Pipeline):
 
         super().__init__(spec, prompts)
         ensure_ray(address)
+        cluster, nodes = ray.cluster_resources(), placement(spec).node_workers
+        plan = plan_placement(spec.config.resources, cluster, len(nodes))
+        self.placement = RayPlacement(plan)
         # a row is freed once every task read it: a long run's queue holds the rows in flight only
         self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec), free_consumed=True)
+        fleet = spec.config.fleet  # a broadcast group meets on trainer rank 0's node, not the driver's
+        meet = self.placement.free_address_on(plan.trainers[0]) if fleet.weight_transfer == "broadcast" else None
         self.weight_sync, self.engine_weight_sync = weight_syncs(
-            spec.config.fleet, f"sluice-weights-{os.getpid()}-{id(self)}"
+            fleet, f"sluice-weights-{os.getpid()}-{id(self)}", meet
         )
-        over = spec.rollout_threads + spec.trainer_threads * spec.data_parallel > (os.cpu_count() or 1)
-        # Every actor must be placed at once (the trainer ranks meet in a rendezvous, the trainer
-        # waits on the reference worker), so they share the cluster's CPUs rather than queue for them.
-        share = actor_cpu_share(ray.cluster_resources().get("CPU", 1.0), spec)
-        rollout_gpus, trainer_gpus = gpu_share(ray.cluster_resources().get("GPU", 0.0), spec.data_parallel)
-        rollout_options = _actor_options(spec.rollout_threads, over, share, rollout_gpus)
+        over = spec.rollout_threads + spec.trainer_threads * spec.ranks > (os.cpu_count() or 1)
+        rollout_options = self.placement.options(plan.rollout) | _runtime(spec.rollout_threads, over)
         # replaceable: Ray restarts it (a fresh worker at version 0), the pipeline re-syncs it
         rollout_options.update(max_restarts=ROLLOUT_RESTARTS, max_task_retries=0)
         rollout_cls: Any = supervised(RolloutWorker).options(**rollout_options)
-        self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async()))
+        replicas = self.placement.replica_options()
+        self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async(), replicas))
         self.rollout_restarts = 0
         self._recovering = asyncio.Lock()
         self._syncing: int | None = None
         """The version a weight sync is bringing the rollout worker to (``None``: none in flight)."""
-        trainer_options = _actor_options(spec.trainer_threads, over, share, trainer_gpus)
-        trainer_cls: Any = supervised(TrainerWorker).options(**trainer_options)
         self.critic_sync = None  # held here: the registry actor lives as long as this handle
         if spec.critic is not None:
             from sluice.weights import ObjectStoreWeightSync
 
             self.critic_sync = ObjectStoreWeightSync(name=f"sluice-critic-{os.getpid()}-{id(self)}")
         kwargs = trainer_kwargs(spec, self.queue, self.weight_sync, self.critic_sync)
-        self.trainer_actors = [trainer_cls.remote(**kwargs) for _ in range(spec.data_parallel)]
+        runtime, trainer_cls = _runtime(spec.trainer_threads, over), supervised(TrainerWorker)
+        self.trainer_actors = [
+            trainer_cls.options(**self.placement.options(slot), **runtime).remote(**kwargs) for slot in plan.trainers
+        ]
         self.trainer_actor = self.trainer_actors[0]  # rank 0: publishes weights, saves
-        if spec.data_parallel > 1:
+        if spec.ranks > 1:
             node_ip = ray.get(self.trainer_actor.node_ip.remote())  # Ray's address of rank 0's node
             meet = ray.get(self.trainer_actor.rendezvous_address.remote(node_ip))
-            ray.get(
-                [a.join_data_parallel.remote(meet, r, spec.data_parallel) for r, a in enumerate(self.trainer_actors)]
-            )
+            ray.get([a.join_data_parallel.remote(meet, r, spec.ranks) for r, a in enumerate(self.trainer_actors)])
         self._group_tokens: dict[int, int] = {}
         self._rank_tokens: list[int] = []
         self._step_groups = 0
         """Groups handed to the ranks this step: the next group's position in the step."""
-        node_cls: Any = supervised(NodeTaskWorker).options(**_actor_options(1, True, share))
+        share = actor_cpu_share(cluster.get("CPU", 1.0), 1 + spec.ranks + len(nodes))
+        node_cls: Any = supervised(NodeTaskWorker).options(num_cpus=share, **_runtime(1, True))
         node_kwargs = node_worker_kwargs(spec, self.critic_sync)
-        self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in placement(spec).node_workers]
+        self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in nodes]
         self._served: list[Any] = [actor.serve.remote() for actor in self.node_actors]
         self._actor_names = {beat_actor._actor_id.hex(): name for name, beat_actor in self._named_actors()}
         """Ray actor id → the worker's name in a one-line death."""
@@ -281,7 +285,7 @@ class RayPipeline(_Pipeline):
         """This pipeline's worker actors with their names (the heartbeats' and deaths')."""
         named = [("rollout worker", self.rollout_actor)]
         for rank, actor in enumerate(self.trainer_actors):
-            named.append((f"trainer (rank {rank})" if self.spec.data_parallel > 1 else "trainer", actor))
+            named.append((f"trainer (rank {rank})" if self.spec.ranks > 1 else "trainer", actor))
         nodes = placement(self.spec).node_workers
         named += [(f"'{node.id}' task worker", actor) for node, actor in zip(nodes, self.node_actors, strict=True)]
         return named
@@ -299,6 +303,7 @@ class RayPipeline(_Pipeline):
             if handle is not None:
                 ray.kill(handle)
         self.queue.shutdown()
+        self.placement.close()
         for sync in (self.weight_sync, self.critic_sync):  # their registry actors, and the weights
             if isinstance(sync, ObjectStoreWeightSync):
                 sync.shutdown()
@@ -308,29 +313,14 @@ async def _awaited(ref: Any) -> Any:
     return await ref
 
 
-def actor_cpu_share(cluster_cpus: float, spec: PipelineSpec) -> float:
-    """Ray CPUs per actor so that rollout, every trainer rank, the reference and the critic's
-    values worker fit together."""
-    actors = 1 + spec.data_parallel + len(placement(spec).node_workers)
-    return min(1.0, cluster_cpus / actors)
-
-
-def gpu_share(cluster_gpus: float, trainer_ranks: int) -> tuple[float, float]:
-    """GPUs of the rollout actor and of each trainer rank: one each when the cluster has a GPU for
-    every one of them, else the rollout takes one if there is any and the trainer runs on CPU
-    (a worker's engines use CUDA exactly when Ray gave it a GPU)."""
-    if cluster_gpus >= 1 + trainer_ranks:
-        return 1.0, 1.0
-    return (1.0 if cluster_gpus >= 1 else 0.0), 0.0
-
-
-def _actor_options(threads: int, oversubscribed: bool, cpus: float = 1.0, gpus: float = 0.0) -> dict[str, Any]:
-    """``cpus`` (at most one) for Ray's placement bookkeeping; the real thread count goes to OpenMP."""
+def _runtime(threads: int, oversubscribed: bool) -> dict[str, Any]:
+    """An actor's environment: the real thread count goes to OpenMP (its Ray CPUs are placement
+    bookkeeping, ``controller/placement.py``)."""
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env.update({var: os.environ[var] for var in (TAG_VAR, DRIVER_VAR) if var in os.environ})  # the run tag
     if oversubscribed:  # spinning OpenMP workers would steal cores from the other actor
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env}}
+    return {"runtime_env": {"env_vars": env}}
 
 
 def ensure_ray(address: str | None) -> None:

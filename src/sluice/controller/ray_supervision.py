@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 def supervised(cls: type) -> Any:
     """``cls`` as a Ray actor class with a ``heartbeat`` (its CPU seconds) for ``Watchdog``,
-    answered in a concurrency group of its own (beside the work), and ``node_ip``."""
+    answered in a concurrency group of its own (beside the work), ``node_ip`` and ``node_id``."""
     import ray
 
     def heartbeat(self: object) -> float:
@@ -52,7 +52,11 @@ def supervised(cls: type) -> Any:
         """This actor's node's IP address as Ray knows it (rendezvous addresses use it)."""
         return str(ray.util.get_node_ip_address())
 
-    members = {"heartbeat": heartbeat, "node_ip": node_ip, "__module__": cls.__module__}
+    def node_id(self: object) -> str:
+        """The id of the Ray node this actor runs on (where the placement put it)."""
+        return str(ray.get_runtime_context().get_node_id())
+
+    members = {"heartbeat": heartbeat, "node_ip": node_ip, "node_id": node_id, "__module__": cls.__module__}
     with_heartbeat = type(cls.__name__, (cls,), members)
     return ray.remote(concurrency_groups={HEALTH: 1})(with_heartbeat)  # type: ignore[call-overload]
 

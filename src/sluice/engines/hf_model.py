@@ -54,8 +54,30 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreT
 
 
 def worker_device() -> torch.device:
-    """The device this process's placement gives it: its GPU when one is visible, else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The device this process's placement gives it: in a Ray worker, the GPU Ray assigned it
+    (Ray sets ``CUDA_VISIBLE_DEVICES`` to it, so it is ``cuda``), the CPU when it assigned none;
+    elsewhere its GPU when one is visible, else the CPU."""
+    return device_for(ray_gpu_ids(), torch.cuda.is_available())
+
+
+def device_for(ray_gpus: list[Any] | None, cuda_available: bool) -> torch.device:
+    """``ray_gpus``: the GPU ids Ray gave this worker (``None``: not a Ray worker)."""
+    if ray_gpus is not None:
+        return torch.device("cuda") if ray_gpus and cuda_available else torch.device("cpu")
+    return torch.device("cuda") if cuda_available else torch.device("cpu")
+
+
+def ray_gpu_ids() -> list[Any] | None:
+    """``ray.get_gpu_ids()`` in a Ray worker process; ``None`` in a driver or without Ray (never
+    imports Ray itself)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    from ray._private.worker import WORKER_MODE, global_worker
+
+    return list(ray.get_gpu_ids()) if global_worker.mode == WORKER_MODE else None
 
 
 def on_device(model: PreTrainedModel) -> PreTrainedModel:

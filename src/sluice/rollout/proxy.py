@@ -94,7 +94,7 @@ class LLMProxy:
         self._counts: Counter[str] = Counter()
         if long_tail is not None:
             if self._states and long_tail.replicas >= len(self._states):
-                raise ValueError(  # fleet.long_tail_replicas >= rollout.replicas
+                raise ValueError(  # fleet.long_tail_replicas >= resources.rollout.replicas
                     f"{long_tail.replicas} long-tail replicas leave none of {len(self._states)} for the rest"
                 )
             for replica_id in self._states:

@@ -136,15 +136,24 @@ class EngineHost:
 
 
 def start_engine_actors(
-    count: int, kind: str, model_dir: str, *, max_batch: int, options: Mapping[str, Any], threads: int
+    count: int,
+    kind: str,
+    model_dir: str,
+    *,
+    max_batch: int,
+    options: Mapping[str, Any],
+    threads: int,
+    placement: Mapping[str, Any] | None = None,
 ) -> list[Any]:
     """``count`` ``EngineHost`` actors (Ray must be initialised: the caller is a Ray actor or
     driver). They reserve no Ray CPU, like the reference worker: on a small machine they must be
     placed beside the rollout worker that owns them; ``threads`` torch threads each. No runtime
-    environment of their own, so Ray can start them in its already running idle workers."""
+    environment of their own, so Ray can start them in its already running idle workers.
+    ``placement``: their Ray options from the pipeline's placement (GPUs each, the rollout
+    worker's placement-group bundle)."""
     import ray
 
-    host: Any = ray.remote(num_cpus=0, concurrency_groups={HEALTH: 1})(EngineHost)
+    host: Any = ray.remote(num_cpus=0, concurrency_groups={HEALTH: 1})(EngineHost).options(**(placement or {}))
     return [host.remote(kind, model_dir, max_batch, dict(options), threads) for _ in range(count)]
 
 

@@ -5,7 +5,7 @@ Its ``GroupRunner`` generates each prompt group, scores it, applies the dynamic 
 the surviving samples to the TransferQueue as each group completes (queue or batch scheduling);
 only a small ``GroupReport`` goes back to the controller (data never passes through the driver).
 The ``replicas`` engines live in this process and share its torch threads, or with
-``fleet.replica_actors`` each in its own Ray actor (``EngineHost``), driven through the proxy, which
+``resources.rollout.replica_actors`` each in its own Ray actor (``EngineHost``), driven through the proxy, which
 replaces a replica actor that dies (``ENGINE_REPLACEMENTS`` times at most). The same
 class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
 decide admission, quotas or versions: the controller does. With an ``EnvRolloutSpec`` (the
@@ -28,6 +28,7 @@ from sluice.config import ConfigError
 from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
 from sluice.config.models import RewardConfig, RolloutConfig
+from sluice.config.resources import RolloutResources
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
 from sluice.rewards import build_reward_service, overlong_shaping
@@ -44,7 +45,7 @@ from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
 
 ENGINE_REPLACEMENTS = 3
-"""How many dead replica actors (``fleet.replica_actors``) a run replaces; the next death is the
+"""How many dead replica actors (``resources.rollout.replica_actors``) a run replaces; the next death is the
 proxy's to handle with the replicas left."""
 
 
@@ -59,6 +60,8 @@ class RolloutWorker:
         params: SamplingParams,
         rollout: RolloutConfig,
         *,
+        resources: RolloutResources | None = None,
+        replica_options: Mapping[str, Any] | None = None,
         run_seed: int,
         reward_config: RewardConfig,
         fleet: FleetConfig,
@@ -77,9 +80,12 @@ class RolloutWorker:
             raise ConfigError("reward.overlong_buffer: single-turn rollouts only (an environment scores its episodes)")
         self.tokenizer = load_tokenizer(model_dir)
         self.engines: list[Any] = []
-        self.proxy = self._start_replicas(model_dir, rollout, fleet, engine_options, threads)
+        self.resources = resources = resources or RolloutResources()
+        """Replica count and placement (``resources.rollout``; ``replica_options``: the Ray options
+        of replica actors, where the pipeline placed them)."""
+        self.proxy = self._start_replicas(model_dir, rollout, fleet, engine_options, threads, replica_options)
         self.fleet = fleet
-        self._replica_timeout_s = replica_timeout_s if fleet.replica_actors else None
+        self._replica_timeout_s = replica_timeout_s if resources.replica_actors else None
         self._replica_watch: asyncio.Task[None] | None = None
         self._watch_counts: dict[str, float] = {}
         if not params.stop_token_ids:
@@ -116,26 +122,29 @@ class RolloutWorker:
         fleet: FleetConfig,
         engine_options: Mapping[str, Any],
         threads: int,
+        replica_options: Mapping[str, Any] | None,
     ) -> LLMProxy:
-        """``rollout.replicas`` engines (in this process, or ``EngineHost`` actors that the proxy
+        """``resources.rollout.replicas`` engines (in this process, or ``EngineHost`` actors that the proxy
         replaces when one dies) behind the proxy."""
         engine, max_batch = rollout.engine, rollout.max_batch
 
         def engine_actors(count: int) -> list[Any]:
             return start_engine_actors(
-                count, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads
-            )
+                count, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads,
+                placement=replica_options,
+            )  # fmt: skip
 
         async def replacement() -> Any:
             self.engines += engine_actors(1)
             return self.engines[-1]
 
+        actors, replicas = self.resources.replica_actors, self.resources.replicas
         self.engines = (
-            engine_actors(rollout.replicas)
-            if fleet.replica_actors
+            engine_actors(replicas)
+            if actors
             else [
                 build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
-                for _ in range(rollout.replicas)
+                for _ in range(replicas)
             ]
         )
         return LLMProxy(
@@ -145,7 +154,7 @@ class RolloutWorker:
             length_predictor=OnlineLengthRanker() if fleet.lpt else None,
             slots=max_batch,
             long_tail=long_tail_split(fleet, max_batch),
-            replace=replacement if fleet.replica_actors else None,
+            replace=replacement if actors else None,
             replacements=ENGINE_REPLACEMENTS,
         )
 
@@ -218,7 +227,7 @@ class RolloutWorker:
         self.reward.close()
         if self.env_runner is not None:  # an agent runner's endpoint and event loop
             self.env_runner.episodes.close()
-        if self.fleet.replica_actors:
+        if self.resources.replica_actors:
             import ray
 
             for handle in self.engines:

@@ -67,6 +67,7 @@ class TrainerWorker:
         group_size: int,
         steps: int = 0,
         threads: int = 1,
+        ranks: int = 1,
         trace: bool = True,
         trace_max_events: int | None = None,
         critic_sync: WeightSync | None = None,
@@ -109,7 +110,7 @@ class TrainerWorker:
         self.dp: DataParallelGroup | None = None
         self.strategy = trainer.strategy
         self.cpu_offload = trainer.cpu_offload
-        if self.strategy != "single" and trainer.data_parallel == 1:  # one rank of its own group
+        if self.strategy != "single" and ranks == 1:  # one rank of its own group
             self.join_data_parallel(free_tcp_address(), 0, 1)
 
     def rendezvous_address(self, host: str) -> str:
