@@ -12,7 +12,14 @@ from fakes import length_reward
 from sluice.api import SamplingParams
 from sluice.config import load_config
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
-from sluice.controller.placement import actor_cpu_share, bundle_node, gpu_share, node_address, plan_placement
+from sluice.controller.placement import (
+    actor_cpu_share,
+    bundle_node,
+    check_fits,
+    gpu_share,
+    node_address,
+    plan_placement,
+)
 from sluice.controller.ray_pipeline import RayPipeline
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
@@ -139,3 +146,14 @@ def test_a_ray_workers_device_is_the_gpu_ray_gave_it():
     assert device_for(None, cuda_available=True).type == "cuda"  # no Ray: what is visible
     assert device_for(None, cuda_available=False).type == "cpu"
     assert ray_gpu_ids() is None  # this test process is no Ray worker
+
+
+def test_a_plan_the_cluster_can_never_hold_is_refused_naming_the_keys():
+    cpu_only = {"CPU": 4.0}
+    check_fits(_plan("resources.trainer.ranks=2", "trainer.strategy=ddp", cluster=cpu_only), cpu_only)
+    with pytest.raises(RuntimeError, match=r"resources\.\*\.gpus: the workers need 1 GPU but the Ray cluster has 0"):
+        check_fits(_plan("resources.rollout.gpus=1", cluster=cpu_only), cpu_only)
+    labelled = _plan("resources.rollout.node_resource=rollout_node", cluster=cpu_only)
+    with pytest.raises(RuntimeError, match=r"resources\.\*\.node_resource: .* 0\.001 rollout_node .* has 0"):
+        check_fits(labelled, cpu_only)
+    check_fits(labelled, {**cpu_only, "rollout_node": 1.0})

@@ -87,6 +87,24 @@ def plan_placement(resources: ResourcesConfig, cluster: Mapping[str, float], oth
     return PlacementPlan(groups, rollout, per_replica if roll.replica_actors else 0.0, trainers)
 
 
+def check_fits(plan: PlacementPlan, cluster: Mapping[str, float]) -> None:
+    """Refuse at once, naming the resource and the ``resources`` keys that ask for it, a plan
+    that needs more of a resource than the whole cluster has (GPUs on a CPU cluster, a node label
+    no node advertises), instead of waiting for Ray to place what it never can."""
+    need: dict[str, float] = {}
+    for _, bundles in plan.groups:
+        for bundle in bundles:
+            for name, amount in bundle.items():
+                need[name] = need.get(name, 0.0) + amount
+    for name, amount in need.items():
+        if amount > cluster.get(name, 0.0) + 1e-9:
+            keys = {"CPU": "resources.*.cpus", "GPU": "resources.*.gpus"}.get(name, "resources.*.node_resource")
+            raise RuntimeError(
+                f"{keys}: the workers need {amount:g} {name} but the Ray cluster has "
+                f"{cluster.get(name, 0.0):g} (ray.cluster_resources(): {dict(cluster)})"
+            )
+
+
 def _bundle(cpus: float, gpus: float, labels: Mapping[str, float]) -> dict[str, float]:
     """A bundle's resources (zero amounts left out: Ray refuses them)."""
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {}), **labels}
@@ -115,6 +133,7 @@ class RayPlacement:
         from ray.exceptions import GetTimeoutError
         from ray.util.placement_group import placement_group
 
+        check_fits(plan, ray.cluster_resources())
         self.plan = plan
         self.groups = [placement_group(bundles, strategy=strategy) for strategy, bundles in plan.groups]
         try:
