@@ -296,7 +296,7 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
         "group_size": spec.config.rollout.group_size,
         "steps": spec.config.run.steps,
         "threads": spec.trainer_threads,
-        "ranks": spec.ranks,
+        "resources": spec.config.resources.trainer,
         "trace": spec.config.run.trace,
         "trace_max_events": spec.config.run.trace_max_events,
         "critic_sync": critic_sync,

@@ -30,6 +30,7 @@ import torch
 
 from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, TrainEngine, WeightSync
 from sluice.config import TrainerConfig
+from sluice.config.resources import TrainerResources
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.strategies import GatheredWeights, full_tensor
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
@@ -67,7 +68,7 @@ class TrainerWorker:
         group_size: int,
         steps: int = 0,
         threads: int = 1,
-        ranks: int = 1,
+        resources: TrainerResources | None = None,
         trace: bool = True,
         trace_max_events: int | None = None,
         critic_sync: WeightSync | None = None,
@@ -110,7 +111,7 @@ class TrainerWorker:
         self.dp: DataParallelGroup | None = None
         self.strategy = trainer.strategy
         self.cpu_offload = trainer.cpu_offload
-        if self.strategy != "single" and ranks == 1:  # one rank of its own group
+        if self.strategy != "single" and (resources or TrainerResources()).ranks == 1:  # one rank of its own group
             self.join_data_parallel(free_tcp_address(), 0, 1)
 
     def rendezvous_address(self, host: str) -> str:
