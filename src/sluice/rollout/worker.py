@@ -4,9 +4,9 @@ writing groups to the queue.
 Its ``GroupRunner`` generates each prompt group, scores it, applies the dynamic filter and writes
 the surviving samples to the TransferQueue as each group completes (queue or batch scheduling);
 only a small ``GroupReport`` goes back to the controller (data never passes through the driver).
-The ``replicas`` engines live in this process and share its torch threads, or with
-``resources.rollout.replica_actors`` each in its own Ray actor (``EngineHost``), driven through the proxy, which
-replaces a replica actor that dies (``ENGINE_REPLACEMENTS`` times at most). The same
+The ``resources.rollout.replicas`` engines live in this process and share its torch threads, or
+with ``resources.rollout.replica_actors`` each in its own Ray actor (``EngineHost``), driven
+through the proxy, which replaces a replica actor that dies (``ENGINE_REPLACEMENTS`` times at most). The same
 class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
 decide admission, quotas or versions: the controller does. With an ``EnvRolloutSpec`` (the
 ``agentic`` section) its runner is an ``EnvRunner`` instead: groups of multi-turn episodes
@@ -45,8 +45,8 @@ from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
 
 ENGINE_REPLACEMENTS = 3
-"""How many dead replica actors (``resources.rollout.replica_actors``) a run replaces; the next death is the
-proxy's to handle with the replicas left."""
+"""How many dead replica actors (``resources.rollout.replica_actors``) a run replaces; the next
+death is the proxy's to handle with the replicas left."""
 
 
 class RolloutWorker:
@@ -124,8 +124,8 @@ class RolloutWorker:
         threads: int,
         replica_options: Mapping[str, Any] | None,
     ) -> LLMProxy:
-        """``resources.rollout.replicas`` engines (in this process, or ``EngineHost`` actors that the proxy
-        replaces when one dies) behind the proxy."""
+        """``resources.rollout.replicas`` engines (in this process, or ``EngineHost`` actors that the
+        proxy replaces when one dies) behind the proxy."""
         engine, max_batch = rollout.engine, rollout.max_batch
 
         def engine_actors(count: int) -> list[Any]:
