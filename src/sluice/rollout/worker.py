@@ -6,8 +6,8 @@ the surviving samples to the TransferQueue as each group completes (queue or bat
 only a small ``GroupReport`` goes back to the controller (data never passes through the driver).
 The ``resources.rollout.replicas`` engines live in this process and share its torch threads, or
 with ``resources.rollout.replica_actors`` each in its own Ray actor (``EngineHost``), driven
-through the proxy, which replaces a replica actor that dies (``ENGINE_REPLACEMENTS`` times at most). The same
-class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
+through the proxy, which replaces a replica actor that dies (``ENGINE_REPLACEMENTS`` times at
+most). The same class runs in-process (``backend: local``) or as a Ray actor (``backend: ray``). It does not
 decide admission, quotas or versions: the controller does. With an ``EnvRolloutSpec`` (the
 ``agentic`` section) its runner is an ``EnvRunner`` instead: groups of multi-turn episodes
 against an environment, evaluated by greedy episodes.
