@@ -34,7 +34,10 @@ GROUPS = {"colocated": [("PACK", 3)], "disaggregated": [("PACK", 1), ("PACK", 2)
 """The placement groups each placement asks Ray for: (strategy, bundles)."""
 
 
-@pytest.mark.parametrize("placement", list(GROUPS))
+@pytest.mark.parametrize(
+    "placement",
+    ["colocated", pytest.param("disaggregated", marks=pytest.mark.scale)],  # make test stays under 15 minutes
+)
 def test_resources_place_two_replicas_and_two_ranks(tiny_task_model, tmp_path, ray_cluster, placement):
     from ray.util import placement_group_table
 
