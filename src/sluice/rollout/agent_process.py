@@ -25,6 +25,7 @@ import concurrent.futures
 import inspect
 import itertools
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -51,7 +52,9 @@ class AgentProcess:
         self.endpoint = endpoint
         self._ids = itertools.count()
         self._futures: dict[int, concurrent.futures.Future[Any]] = {}
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="agent-process-writer", daemon=True)
+        self._writer.start()
         self._reader = threading.Thread(target=self._read, name="agent-process-reader", daemon=True)
         self._reader.start()
 
@@ -75,11 +78,18 @@ class AgentProcess:
         self._conn.close()
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        try:
-            with self._send_lock:
+        """Queue ``message`` for the child: answers are sent from the engine's loop, which must not
+        wait on a pipe the child is slow to drain."""
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
                 self._conn.send(message)
-        except (OSError, ValueError):  # the child is gone: its episodes were failed by the reader
-            pass
+            except (OSError, ValueError):  # the child is gone: its episodes were failed by the reader
+                return
+            if message[0] == "stop":
+                return
 
     def _read(self) -> None:
         """Answer the child's calls and resolve its episodes; when it dies, fail the rest."""
