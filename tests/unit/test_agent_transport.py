@@ -67,8 +67,9 @@ def test_in_process_calls_skip_the_server_and_record_what_http_records():
         assert a.behav_logprobs == pytest.approx(b.behav_logprobs, abs=1e-5) and a.token_versions == b.token_versions
 
 
-def test_a_sync_agent_goes_in_process_too():
-    runner = _runner(fakes.FakeInferenceEngine(vocab=len(TOK)), agent="fakes:sync_calculator_agent")
+@pytest.mark.parametrize("process", [False, True])
+def test_a_sync_agent_skips_the_server_too(process):
+    runner = _runner(fakes.FakeInferenceEngine(vocab=len(TOK)), agent="fakes:sync_calculator_agent", process=process)
     samples = _play(runner, 3)
     assert len(samples) == 3 and runner.counts["calls"] == 3 and runner.endpoint.http_calls == 0
 
