@@ -749,3 +749,11 @@ class ScriptedTurnsEngine:
 
     def abort(self, request_id: str) -> None:
         pass
+
+
+async def pid_agent(client: Any, row: dict[str, Any]) -> float:
+    """One call; returns the id of the process it ran in (agents in a process of their own)."""
+    import os
+
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": str(row["a"])}])
+    return float(os.getpid())

@@ -88,6 +88,12 @@ class AgenticConfig(Section):
     last model turn. ``async def`` runs on the agents' own event loop, a plain ``def`` in its thread
     pool. Needs the ``openai`` package (``pip install 'sluice[agent]'``). Excludes ``env``."""
 
+    agent_process: bool = True
+    """Run the agents in a process of their own (their calls reach the rollout worker over a pipe),
+    so their Python — the ``openai`` client builds and parses every call — does not hold the GIL
+    the engine's decode loop needs. ``false``: on an event loop in a thread of the rollout worker,
+    calls in process (no socket either way)."""
+
     agent_timeout_s: float | None = Field(default=300.0, gt=0.0)
     """Seconds an agent's episode may take; a slower one is cancelled and fails its episode
     (``env_episodes_agent_timeout``). ``null``: no limit."""

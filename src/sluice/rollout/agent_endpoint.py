@@ -21,6 +21,7 @@ import logging
 import secrets
 import sys
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -58,6 +59,8 @@ class AgentEndpoint:
         self._thread.start()
         self.errors = 0
         """Calls answered with an error (any status)."""
+        self.http_calls = 0
+        """Calls that came over the HTTP server (the in-process transport's do not)."""
 
     def open(self, session: AgentSession) -> str:
         """Register ``session`` under a fresh key; returns the key."""
@@ -86,22 +89,65 @@ class AgentEndpoint:
         self._thread.join(timeout=5)
 
     def answer(self, path: str, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
-        """(status, JSON body) for one ``POST`` (runs in the connection's thread)."""
+        """(status, JSON body) for one ``POST`` (blocks its thread: the HTTP server's, a sync agent's)."""
         try:
-            session = self._route(path, authorization)
-            request = _parse(body)
-            future = asyncio.run_coroutine_threadsafe(session.complete(request), session.loop)
-            return 200, future.result()
-        except EndpointError as err:
-            self.errors += 1
+            return 200, self._submit(path, authorization, body).result()
+        except Exception as err:
+            return self._failed(path, err)
+
+    async def answer_async(self, path: str, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
+        """``answer`` awaited on another event loop (the agents', ``agent_transport.py``): the call
+        runs on its session's loop; cancelling the await cancels the call (its engine request is
+        aborted)."""
+        try:
+            future = self._submit(path, authorization, body)
+        except Exception as err:
+            return self._failed(path, err)
+        try:
+            return 200, await asyncio.wrap_future(future)
+        except asyncio.CancelledError as err:
+            task = asyncio.current_task()
+            if future.cancelled() and task is not None and not task.cancelling():  # the episode was stopped
+                return self._failed(path, concurrent.futures.CancelledError())
+            raise err
+        except Exception as err:
+            return self._failed(path, err)
+
+    def answer_later(
+        self, path: str, authorization: str | None, body: bytes, reply: Callable[[int, dict[str, Any]], None]
+    ) -> None:
+        """``answer`` without waiting: ``reply(status, payload)`` runs once the call is answered
+        (on the session's loop, or now for a call refused before it starts); the agents' process
+        (``agent_process.py``) forwards its calls this way."""
+        try:
+            future = self._submit(path, authorization, body)
+        except Exception as err:
+            reply(*self._failed(path, err))
+            return
+
+        def done(f: concurrent.futures.Future[dict[str, Any]]) -> None:
+            if f.cancelled():
+                reply(*self._failed(path, concurrent.futures.CancelledError()))
+            elif f.exception() is not None:
+                reply(*self._failed(path, f.exception()))  # type: ignore[arg-type]
+            else:
+                reply(200, f.result())
+
+        future.add_done_callback(done)
+
+    def _submit(self, path: str, authorization: str | None, body: bytes) -> concurrent.futures.Future[dict[str, Any]]:
+        session = self._route(path, authorization)
+        request = _parse(body)
+        return asyncio.run_coroutine_threadsafe(session.complete(request), session.loop)
+
+    def _failed(self, path: str, err: Exception) -> tuple[int, dict[str, Any]]:
+        self.errors += 1
+        if isinstance(err, EndpointError):
             return err.status, _error(str(err), err.code)
-        except concurrent.futures.CancelledError:  # its episode was stopped (a straggler, an aborted group)
-            self.errors += 1
+        if isinstance(err, concurrent.futures.CancelledError):  # its episode was stopped (straggler, aborted group)
             return 503, _error("the episode was stopped", "episode_stopped")
-        except Exception as err:  # a bug behind the call: the agent sees a 500, the log the traceback
-            self.errors += 1
-            log.exception("agent endpoint: %s failed", path)
-            return 500, _error(f"internal error: {err!r}", "internal_error")
+        log.error("agent endpoint: %s failed", path, exc_info=err)  # a bug behind the call: the agent sees a 500
+        return 500, _error(f"internal error: {err!r}", "internal_error")
 
     def _route(self, path: str, authorization: str | None) -> AgentSession:
         parts = path.split("?", 1)[0].strip("/").split("/")
@@ -146,6 +192,7 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length)
+            endpoint.http_calls += 1
             status, payload = endpoint.answer(self.path, self.headers.get("Authorization"), body)
             data = json.dumps(payload).encode()
             self.send_response(status)

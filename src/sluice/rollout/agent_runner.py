@@ -1,15 +1,18 @@
 """Agents by import path: a user's OpenAI-client code plays episodes through the endpoint.
 
 ``agentic.agent: package.module:run`` (or ``path/to/agent.py:run``) names a function ``run(client, row)``: ``client`` an
-``openai`` client whose ``base_url`` is its episode's endpoint (``agent_endpoint.py``), ``row`` the
+``openai`` client whose ``base_url`` is its episode's endpoint (``agent_endpoint.py``; its calls
+reach it without a socket, ``agent_transport.py``, unless ``transport="http"``), ``row`` the
 dataset row (``prompt``, ``index`` and the row's fields). It returns the episode's reward, or
 ``None`` to leave it to the run's reward function, which then scores the last model turn's text.
 
 ``AgentEpisodeRunner`` has ``EpisodeRunner``'s ``run``, so ``EnvRunner`` drives agents exactly as
 environments: groups, redundancy, straggler aborts, failure counting and the controller's env
-groups apply unchanged. Agents run as tasks on an event loop of their own, in a thread (never
-the engine's loop, which must keep sampling); a synchronous ``run`` gets an ``openai.OpenAI``
-client and runs in that loop's thread pool. Each episode has a timeout (``agentic.agent_timeout_s``).
+groups apply unchanged. Agents run as tasks on an event loop of their own (never the engine's
+loop, which must keep sampling): with ``process=True`` (``agentic.agent_process``, the run's
+default) in a child process whose calls come over a pipe (``agent_process.py``), else in a thread
+of this process; a synchronous ``run`` gets an ``openai.OpenAI`` client and runs in that loop's
+thread pool. Each episode has a timeout (``agentic.agent_timeout_s``).
 Fates: an agent that raises fails its episode (``agent_error``), one past its timeout
 ``agent_timeout`` (its task is cancelled and its requests aborted), a refused history
 ``template_mismatch``, a reward function that fails on it ``reward_error``; an agent that raises
@@ -22,53 +25,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import importlib
-import importlib.util
 import inspect
-import sys
 import threading
-import zlib
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sluice.api import InferenceEngine, PromptItem, RewardFailure, RewardFn, Sample
 from sluice.rollout.agent_endpoint import AgentEndpoint
+from sluice.rollout.agent_loader import load_agent
+from sluice.rollout.agent_process import AgentProcess
 from sluice.rollout.agent_session import AgentSession, ChatModel, SessionLimits
+from sluice.rollout.agent_transport import transports
 from sluice.rollout.episode import EpisodeFailed, TurnBarrier
 
-AgentFn = Callable[[Any, dict[str, Any]], Any]
 COUNTERS = ("calls", "mismatches", "segments", "tool_calls", "malformed_tool_calls", "sampling_overridden")
-
-
-def load_agent(path: str) -> AgentFn:
-    """The function ``package.module:attr`` (or ``path/to/file.py:attr``) names; a ``ValueError``
-    naming ``agentic.agent`` otherwise."""
-    module, _, attr = path.rpartition(":")
-    if not module or not attr:
-        raise ValueError(f"agentic.agent: {path!r} is not 'package.module:function' or 'file.py:function'")
-    try:
-        fn = getattr(_module_from_file(module) if module.endswith(".py") else importlib.import_module(module), attr)
-    except (ImportError, AttributeError, OSError) as err:
-        raise ValueError(f"agentic.agent: cannot load {path!r} ({err})") from err
-    if not callable(fn):
-        raise ValueError(f"agentic.agent: {path!r} is a {type(fn).__name__}, not a function")
-    return fn  # type: ignore[no-any-return]
-
-
-def _module_from_file(file: str) -> Any:
-    name = f"sluice_agent_{Path(file).stem}_{zlib.crc32(file.encode())}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None or not Path(file).is_file():
-        raise ImportError(f"no Python file {file}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules[name] = module
-    return module
 
 
 class AgentLoop:
@@ -103,6 +74,8 @@ class AgentEpisodeRunner:
         reward: RewardFn | None,
         timeout_s: float | None,
         run_seed: int = 0,
+        transport: Literal["in_process", "http"] = "in_process",
+        process: bool = False,
     ) -> None:
         try:
             import openai
@@ -115,8 +88,10 @@ class AgentEpisodeRunner:
         self.reward, self.timeout_s, self.run_seed = reward, timeout_s, run_seed
         self.endpoint = AgentEndpoint()
         self.agents = AgentLoop()
+        self.transport = transport
+        self.process = AgentProcess(agent, self.endpoint) if process else None
         self._async_http: Any = None
-        self._sync_http = openai.DefaultHttpxClient() if not self.is_async else None
+        self._sync_http = self._http_client(sync=True) if not self.is_async else None
         self.counts: Counter[str] = Counter()
 
     async def run(
@@ -129,7 +104,10 @@ class AgentEpisodeRunner:
                                tag=tag)  # fmt: skip
         key = self.endpoint.open(session)
         row = {"prompt": item.prompt, "index": item.index, **item.fields}
-        future = self.agents.submit(self._play(self.endpoint.base_url(key), key, row))
+        if self.process is not None:
+            future = self.process.submit(self.endpoint.base_url(key), key, row)
+        else:
+            future = self.agents.submit(self._play(self.endpoint.base_url(key), key, row))
         try:
             result = await self._outcome(session, future)
             reward = float(result) if result is not None else await self._score(session, item)
@@ -177,7 +155,7 @@ class AgentEpisodeRunner:
         client of its own costs ~50 ms of CPU), then the agent."""
         if self.is_async:
             if self._async_http is None:  # made on the agents' loop, which it is bound to
-                self._async_http = self.openai.DefaultAsyncHttpxClient()
+                self._async_http = self._http_client(sync=False)
             client = self.openai.AsyncOpenAI(
                 base_url=base_url, api_key=key, max_retries=0, http_client=self._async_http
             )
@@ -188,6 +166,16 @@ class AgentEpisodeRunner:
             return self.agent(client, row)
 
         return await asyncio.get_running_loop().run_in_executor(None, play)
+
+    def _http_client(self, *, sync: bool) -> Any:
+        """The HTTP client under every episode's ``openai`` client: over ``transport: in_process``
+        (the default) calls reach the endpoint without a socket (``agent_transport.py``); over
+        ``http``, through the loopback server."""
+        make = self.openai.DefaultHttpxClient if sync else self.openai.DefaultAsyncHttpxClient
+        if self.transport == "http":
+            return make()
+        in_process, in_process_sync = transports(self.endpoint, self.openai)
+        return make(transport=in_process_sync if sync else in_process)
 
     def with_temperature(self, temperature: float) -> AgentEpisodeRunner:
         """The same agent, endpoint and counters at another temperature (evaluation's greedy runs)."""
@@ -208,5 +196,7 @@ class AgentEpisodeRunner:
             self.agents.submit(self._async_http.aclose()).result(timeout=5)
         if self._sync_http is not None:
             self._sync_http.close()
+        if self.process is not None:
+            self.process.close()
         self.endpoint.close()
         self.agents.close()

@@ -52,6 +52,7 @@ class EnvRolloutSpec:
     agent: str | None = None
     """``agentic.agent``: episodes are this agent's, through the endpoint (``env`` is then unused)."""
     agent_timeout_s: float | None = 300.0
+    agent_process: bool = True
     tool_parser: str = "hermes"
     chat_template: str | None = None
     template_mismatch: str = "refuse"
@@ -87,6 +88,7 @@ def env_rollout_spec(config: AgenticConfig, task_env: str | None, turn_tokens: i
         turn_end_from_tokenizer=config.chat_turn_end is None,
         agent=agent,
         agent_timeout_s=config.agent_timeout_s,
+        agent_process=config.agent_process,
         tool_parser=config.tool_parser,
         chat_template=template,
         template_mismatch=config.template_mismatch,
@@ -170,7 +172,7 @@ def _agent_runner(
                             spec.template_mismatch)  # type: ignore[arg-type]  # fmt: skip
     try:
         return AgentEpisodeRunner(engine, spec.agent, model, session, reward=reward, timeout_s=spec.agent_timeout_s,
-                                  run_seed=run_seed)  # fmt: skip
+                                  run_seed=run_seed, process=spec.agent_process)  # fmt: skip
     except ValueError as err:  # an agent path that does not import, or no openai package
         raise ConfigError(str(err)) from err
 
