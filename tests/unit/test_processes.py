@@ -107,6 +107,8 @@ def test_a_tagged_run_sets_the_environment_then_puts_it_back(tmp_path, monkeypat
     with pytest.raises(RuntimeError) if ending == "crash" else contextlib.nullcontext(), tagged_run(tmp_path) as tag:
         assert os.environ[TAG_VAR] == tag == run_tag(tmp_path)
         assert os.environ[DRIVER_VAR] == driver_id(os.getpid())
+        # the reaper is a fresh interpreter: until it has exec'd, /proc shows the fork's parent
+        _wait_until(lambda: [p for p in tagged_processes(tag) if "processes.py" in p.name], "the reaper")
         reapers = [p for p in tagged_processes(tag) if "processes.py" in p.name]
         assert len(reapers) == 1
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # inherits the tag
@@ -191,9 +193,9 @@ def test_a_second_signal_kills_the_run_at_once(tmp_path):
 
 def test_ray_actors_get_the_run_tag_in_their_runtime_env(monkeypatch):
     """A cluster this driver did not start does not inherit its environment: the actors get it."""
-    from sluice.controller.ray_pipeline import _actor_options
+    from sluice.controller.ray_pipeline import _runtime
 
     monkeypatch.setenv(TAG_VAR, "abc")
     monkeypatch.setenv(DRIVER_VAR, "1-2")
-    env = _actor_options(1, False)["runtime_env"]["env_vars"]
+    env = _runtime(1, False)["runtime_env"]["env_vars"]
     assert env[TAG_VAR] == "abc" and env[DRIVER_VAR] == "1-2"
