@@ -42,10 +42,13 @@ VARIANTS: dict[str, list[str]] = {
     "async η=4": ["run.mode=async", "rollout.max_staleness=4"],
     "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "resources.trainer.ranks=2", "trainer.strategy=ddp"],
     "sync 1 thread": ["run.mode=sync", "run.backend=local", "run.threads=1"],
+    "async η=1 1proc": ["run.mode=async", "rollout.max_staleness=1", "run.backend=local", "run.threads=1"],
 }
+"""``async η=1 1proc``: the one-process placement (rollout on the event loop, trainer in a thread, one
+torch thread each): no Ray actors, queue actors or weight registry to pay for on one node."""
 
 
-DEFAULT_VARIANTS = ["sync", "stream η=0", "async η=1", "async η=4", "async η=1 dp2", "sync 1 thread"]
+DEFAULT_VARIANTS = ["sync", "stream η=0", "async η=1", "async η=4", "async η=1 dp2", "sync 1 thread", "async η=1 1proc"]
 WAIT_VARIANTS = ["sync", "async η=1", "async η=2", "async η=4"]
 WORKLOADS: dict[str, tuple[list[str], str | None]] = {
     "default": ([], None),
@@ -135,7 +138,7 @@ def _row(name: str, result: Any) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["trained_tokens_per_s"] if rows else 1.0
     head = (
-        f"{'variant':<13} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6} "
+        f"{'variant':<15} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6} "
         f"{'cpu s':>6} {'bound s':>7}  {'staleness':<22} {'acc':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -145,7 +148,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         base_acc, final_acc = r["base_accuracy"], r["final_accuracy"]
         acc = "n/a" if base_acc is None or final_acc is None else f"{100 * base_acc:.1f}→{100 * final_acc:.1f}"
         lines.append(
-            f"{r['variant']:<13} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
+            f"{r['variant']:<15} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
             f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5} "
             f"{r['exposed_weight_sync_s']:>6.2f} {_num(r.get('cpu_s')):>6} {_num(r.get('cpu_bound_s')):>7}  "
             f"{hist:<22} {acc:>11}"
