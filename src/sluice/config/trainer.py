@@ -109,7 +109,8 @@ class TrainerConfig(_Section):
     """Global gradient-norm clip."""
 
     clip_low: float = Field(default=0.2, ge=0.0)
-    """Ratio clip below 1 (``1 - clip_low``): PPO and GSPO ratio, CISPO's IS weight."""
+    """Ratio clip below 1 (``1 - clip_low``) of the PPO and GSPO ratio. CISPO's IS weight has no
+    lower bound (MiniMax-M1), so CISPO ignores it."""
 
     clip_high: float = Field(default=0.2, ge=0.0)
     """Ratio clip above 1 (``1 + clip_high``; raise it for DAPO clip-higher)."""

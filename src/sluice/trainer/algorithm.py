@@ -33,8 +33,8 @@ class GRPOAlgorithm:
     Args:
         estimator: a key of ``ADVANTAGE_ESTIMATORS``; with ``gae`` the advantages come from a
             critic (``trainer/ppo.py``) and ``advantages`` raises.
-        clip_low, clip_high: ratio clip ``[1 - clip_low, 1 + clip_high]`` (PPO, GSPO) or IS
-            weight clip (CISPO); unused by TOPR.
+        clip_low, clip_high: ratio clip ``[1 - clip_low, 1 + clip_high]`` (PPO, GSPO); CISPO
+            truncates its IS weight at ``1 + clip_high`` only; unused by TOPR.
         eps: added to the std (GRPO, REINFORCE++).
         behav_weight_cap: optional TIS cap on the behaviour weight ``π_prox / π_behav``.
         policy_loss: a key of ``POLICY_LOSSES``.
@@ -92,7 +92,9 @@ class GRPOAlgorithm:
             "agg_mode": loss_agg_mode,
         }
         if policy_loss in CLIPPED_LOSSES:
-            self._loss_kwargs.update(clip_low=clip_low, clip_high=clip_high)
+            self._loss_kwargs["clip_high"] = clip_high
+            if policy_loss != "cispo":  # CISPO's IS weight is truncated from above only (MiniMax-M1)
+                self._loss_kwargs["clip_low"] = clip_low
         if dual_clip_c is not None:
             self._loss_kwargs["dual_clip_c"] = dual_clip_c
 

@@ -4,8 +4,10 @@ Both are ``-sg(weight) · A_t · logp_t`` per token (the weight is a constant, t
 only through ``logp``), times the behaviour weight ``w_t`` (``common.behaviour_weight``) like
 every sluice loss; ``u_t = exp(logp - prox_logp)``:
 
-- CISPO (MiniMax-M1, arXiv 2506.13585): ``weight = clip(u_t, 1 - ε_low, 1 + ε_high)``. Unlike
-  PPO no token loses its gradient; only the IS weight is bounded.
+- CISPO (MiniMax-M1, arXiv 2506.13585): ``weight = min(u_t, 1 + ε_high)``. Unlike PPO no token
+  loses its gradient; only the IS weight is bounded, from above (the paper sets no lower bound:
+  a floor ``1 - ε_low`` keeps pushing tokens the policy already left at nearly full strength,
+  and off-policy training collapses; ``clip_low`` adds that floor only when passed).
 - TOPR (Tapered Off-Policy REINFORCE, arXiv 2503.14286): tokens with ``A_t > 0`` get no IS
   weight (SFT-like, ``weight = 1``); the others get the truncated ``clamp(u_t, 0, 1)``.
 """
@@ -29,14 +31,15 @@ from sluice.trainer.losses.common import (
 
 def cispo_loss(
     inputs: LossInputs,
-    clip_low: float = 0.2,
+    clip_low: float | None = None,
     clip_high: float = 0.2,
     behav_weight_cap: float | None = None,
     behav_cap_mode: TISMode = "cap",
     behav_weight_level: TISLevel = "token",
     agg_mode: AggMode = "token-mean",
 ) -> LossOutputs:
-    """CISPO: ``l_t = -w_t · sg(clip(u_t, 1 - clip_low, 1 + clip_high)) · A_t · logp_t``.
+    """CISPO: ``l_t = -w_t · sg(min(u_t, 1 + clip_high)) · A_t · logp_t`` (``clip_low``, if given,
+    also floors the IS weight at ``1 - clip_low``; the trainer never passes it).
 
     Stats as ``ppo_clip_loss`` (``clipped_tokens``: tokens whose IS weight was clipped).
     """
@@ -44,7 +47,7 @@ def cispo_loss(
     mask = inputs.mask.bool()
     logp = torch.where(mask, inputs.logp, torch.zeros_like(inputs.logp))
     ratio = torch.exp(torch.where(mask, logp.detach() - inputs.prox_logp.detach(), torch.zeros_like(logp)))
-    is_weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    is_weight = torch.clamp(ratio, min=None if clip_low is None else 1.0 - clip_low, max=1.0 + clip_high)
     return _reinforce(inputs, logp, ratio, is_weight, behav_weight_cap, behav_cap_mode, behav_weight_level, agg_mode)
 
 
