@@ -35,6 +35,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -78,6 +79,7 @@ def run_row(eta: int, loss: str, seed: int, common: list[str], out_dir: Path) ->
     from sluice.rl_trainer import RLTrainer
 
     name = f"eta{eta}_{loss}_s{seed}"
+    shutil.rmtree(out_dir / name, ignore_errors=True)  # a piece stopped mid-row left a partial run: start it anew
     cfg = load_config(
         None,
         [
@@ -120,6 +122,12 @@ def summarise(eta: int, loss: str, seed: int, records: list[dict[str, Any]], loo
         "clipped_fraction": sum(r.get("clipped_tokens", 0.0) for r in train) / tokens,
         "capped_fraction": sum(r.get("capped_tokens", 0.0) for r in train) / tokens,
         "behav_ess_fraction": _mean([r["behav_ess_fraction"] for r in train if "behav_ess_fraction" in r]),
+        "kl_behav": sum(r.get("kl_behav_sum", 0.0) for r in train) / tokens,
+        "behav_weight_low_fraction": sum(r.get("behav_weight_low_tokens", 0.0) for r in train) / tokens,
+        "behav_weight_high_fraction": sum(r.get("behav_weight_high_tokens", 0.0) for r in train) / tokens,
+        "clip_outside_behav": (  # PPO-clip's stat; CISPO and GSPO clip something else
+            sum(r["outside_behav_tokens"] for r in train) / tokens if "outside_behav_tokens" in train[-1] else None
+        ),
         "staleness_groups": _histogram(fates, "staleness_"),
         "staleness_samples": _histogram(fates, "sample_staleness_"),
         "loop_s": round(loop_s, 1),
@@ -182,6 +190,38 @@ def recommend(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+INSTRUMENTS = (
+    "kl_behav",
+    "clip_outside_behav",
+    "behav_ess_fraction",
+    "behav_weight_low_fraction",
+    "behav_weight_high_fraction",
+)
+"""Per-row off-policy instruments averaged per cell by ``format_instruments`` (rows of older JSONs may lack them)."""
+
+
+def format_instruments(rows: list[dict[str, Any]]) -> str:
+    """Per (η, loss) cell, sorted by mean final accuracy: the mean per-token KL from the policy
+    being trained to the behaviour policy (k3, ``kl_behav``), the fraction of tokens whose ratio to
+    the behaviour policy lies outside the clip range, the behaviour weight's effective sample size
+    and its tails (w < ½, w > 2)."""
+    cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["eta"], r["loss"]), []).append(r)
+    head = "| η | loss | mean final acc | KL to behaviour / token | outside clip vs behaviour | ESS | w < ½ | w > 2 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    mean_acc = {cell: sum(r["final_accuracy"] for r in group) / len(group) for cell, group in cells.items()}
+    by_accuracy = sorted(cells.items(), key=lambda kv: (kv[0][0], -mean_acc[kv[0]]))
+    for (eta, loss), group in by_accuracy:
+        acc = 100 * sum(r["final_accuracy"] for r in group) / len(group)
+        values = []
+        for name in INSTRUMENTS:
+            got = [r[name] for r in group if r.get(name) is not None]
+            values.append("–" if not got else f"{sum(got) / len(got):.3f}")
+        lines.append(f"| {eta} | {loss} | {acc:.1f} % | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
 def format_cells(rows: list[dict[str, Any]]) -> str:
     lines = ["| cell | seeds | mean final acc | spread (min–max) |", "|---|---|---|---|"]
     for cell, st in cell_stats(rows).items():
@@ -195,7 +235,8 @@ def format_cells(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, window: int = 5) -> None:
-    """Reward curves (moving average over ``window`` steps) and held-out accuracy, one column per η."""
+    """Per η (one column): each loss's reward curve (moving average over ``window`` steps) and
+    held-out accuracy, averaged over its seeds, the accuracy's min–max over seeds shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,18 +245,23 @@ def plot(rows: list[dict[str, Any]], path: Path, window: int = 5) -> None:
     etas = sorted({r["eta"] for r in rows})
     fig, axes = plt.subplots(2, len(etas), figsize=(4.2 * len(etas), 6.4), sharey="row", squeeze=False)
     for col, eta in enumerate(etas):
-        for r in (r for r in rows if r["eta"] == eta):
-            style = "-" if r["seed"] == 0 else "--"
-            label = f"{r['loss']} s{r['seed']}"
-            curve = r["reward_curve"]
-            spans = [curve[max(0, i - window + 1) : i + 1] for i in range(len(curve))]
+        for loss in LOSSES:
+            group = [r for r in rows if r["eta"] == eta and r["loss"] == loss]
+            if not group:
+                continue
+            label = f"{loss} ({len(group)} seed{'s' if len(group) > 1 else ''})"
+            rewards = [sum(values) / len(values) for values in zip(*(r["reward_curve"] for r in group), strict=False)]
+            spans = [rewards[max(0, i - window + 1) : i + 1] for i in range(len(rewards))]
             smooth = [sum(span) / len(span) for span in spans]
-            axes[0][col].plot(range(1, len(curve) + 1), smooth, style, color=COLOURS[r["loss"]], label=label)
-            steps, acc = zip(*r["accuracy_curve"], strict=True)
-            axes[1][col].plot(steps, [100 * a for a in acc], style, marker="o", color=COLOURS[r["loss"]], label=label)
+            axes[0][col].plot(range(1, len(rewards) + 1), smooth, color=COLOURS[loss], label=label)
+            steps = [step for step, _ in group[0]["accuracy_curve"]]
+            accs = list(zip(*([100 * a for _, a in r["accuracy_curve"]] for r in group), strict=False))
+            axes[1][col].plot(steps, [sum(a) / len(a) for a in accs], marker="o", color=COLOURS[loss], label=label)
+            low, high = [min(a) for a in accs], [max(a) for a in accs]
+            axes[1][col].fill_between(steps, low, high, color=COLOURS[loss], alpha=0.12)
         axes[0][col].set_title(f"η = {eta} (forced lag)")
         axes[1][col].set_xlabel("training step")
-        axes[0][col].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7, loc="lower right")
     axes[0][0].set_ylabel(f"training reward ({window}-step mean)")
     axes[1][0].set_ylabel("held-out greedy accuracy (%)")
     fig.tight_layout()
@@ -235,6 +281,9 @@ def main() -> None:
     parser.add_argument("--mini-batches", type=int, default=2, help="trainer.ppo_mini_batches of every row")
     parser.add_argument("--parallel", type=int, default=2, help="rows run at once (run.threads = cores ÷ this)")
     parser.add_argument("--resume", action="store_true", help="keep the rows --out holds and run only the others")
+    parser.add_argument(
+        "--collect", action="store_true", help="first take the finished rows --runs-dir holds (a driver that died)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 steps of 8 groups, η ∈ {0, 2}, 1 seed")
     parser.add_argument("--out", default="benchmarks/results/staleness.json")
     parser.add_argument("--png", default="benchmarks/results/staleness.png")
@@ -250,21 +299,67 @@ def main() -> None:
     common.append(f"model.path={shared_base_model()}")
     rows = _kept_rows(Path(args.out)) if args.resume else []
     done = {(r["eta"], r["loss"], r["seed"]) for r in rows}
+    if args.collect:
+        rows = [enrich(r, Path(args.runs_dir)) for r in rows]
+        rows += collect(Path(args.runs_dir), [c for c in grid(etas, losses, seeds) if c not in done], args.steps)
+        done = {(r["eta"], r["loss"], r["seed"]) for r in rows}
     todo = [cell for cell in grid(etas, losses, seeds) if cell not in done]
     print(f"{len(todo)} rows to run, {len(done)} kept from {args.out}", flush=True)
     started, load_before = time.monotonic(), os.getloadavg()
     context = multiprocessing.get_context("spawn")  # a fresh process per row: nothing carries over
+    failed: list[str] = []
     with ProcessPoolExecutor(args.parallel, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = [pool.submit(run_row, eta, loss, seed, common, Path(args.runs_dir)) for eta, loss, seed in todo]
+        futures = {pool.submit(run_row, *cell, common, Path(args.runs_dir)): cell for cell in todo}
         for future in as_completed(futures):
-            rows.append(future.result() | {"load_1min_after": os.getloadavg()[0]})
+            try:
+                row = future.result()
+            except Exception as err:  # one failed row must not stop the others; it is reported below
+                failed.append(f"η={futures[future][0]} {futures[future][1]} seed {futures[future][2]}: {err!r}")
+                print(f"row failed: {failed[-1]}", flush=True)
+                continue
+            rows.append(row | {"load_1min_after": os.getloadavg()[0]})
             print(format_table(rows[-1:]).splitlines()[-1], flush=True)
             _write(args, rows, started, load_before)
     rows.sort(key=lambda r: (r["eta"], list(LOSSES).index(r["loss"]), r["seed"]))
     print(format_table(rows))
     print(format_cells(rows))
+    print(format_instruments(rows))
     _write(args, rows, started, load_before)
     plot(rows, Path(args.png))
+    if failed:
+        raise SystemExit(f"{len(failed)} row(s) failed (run again with --resume to retry them):\n" + "\n".join(failed))
+
+
+def collect(runs_dir: Path, cells: list[tuple[int, str, int]], steps: int) -> list[dict[str, Any]]:
+    """Rows of ``cells`` whose run finished in ``runs_dir`` (all ``steps`` trained, the final
+    ``fates`` record written) but never reached the JSON; ``loop_s`` is then read from the
+    metrics (last train record − first evaluation) and the row says so (``collected``)."""
+    rows = []
+    for eta, loss, seed in cells:
+        path = runs_dir / f"eta{eta}_{loss}_s{seed}" / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        train = [r for r in records if r["kind"] == "train"]
+        if len(train) != steps or not any(r["kind"] == "fates" for r in records):
+            continue
+        start = next(r["elapsed_s"] for r in records if r["kind"] == "eval")
+        rows.append(summarise(eta, loss, seed, records, train[-1]["elapsed_s"] - start) | {"collected": True})
+    print(f"collected {len(rows)} finished rows from {runs_dir}", flush=True)
+    return rows
+
+
+def enrich(row: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
+    """A kept row from before the ``INSTRUMENTS`` existed, with them read from its run's metrics
+    (when that run is still in ``runs_dir`` and finished)."""
+    path = runs_dir / f"eta{row['eta']}_{row['loss']}_s{row['seed']}" / "metrics.jsonl"
+    if all(name in row for name in INSTRUMENTS) or not path.exists():
+        return row
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    if len([r for r in records if r["kind"] == "train"]) != row["steps"]:
+        return row
+    fresh = summarise(row["eta"], row["loss"], row["seed"], records, row["loop_s"])
+    if fresh["final_accuracy"] != row["final_accuracy"]:  # another run of the same cell: not this row's
+        return row
+    return row | {name: fresh[name] for name in INSTRUMENTS}
 
 
 def _kept_rows(path: Path) -> list[dict[str, Any]]:

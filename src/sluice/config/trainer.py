@@ -133,8 +133,9 @@ class TrainerConfig(_Section):
     region around the step's start, the behaviour weight corrects for staleness). Use
     ``recompute`` with ``rollout.max_staleness`` ≥ 1 or ``ppo_mini_batches`` > 1; it costs one
     extra forward pass per sample. With one update per step the clip never binds (the proximal
-    policy is the one updated): give it ``ppo_mini_batches`` ≥ 2 or a ``tis_cap`` far off-policy
-    (docs/algorithms.md, "Why decoupled PPO lost at η = 8")."""
+    policy is the one updated): give it ``ppo_mini_batches`` ≥ 2. The staleness study
+    (docs/algorithms.md, "Staleness: which loss for which η") found ``behav`` as good or better
+    at every η on the default task, and no gain from a ``tis_cap``."""
 
     micro_batch_tokens: int = Field(default=2048, ge=1)
     """Token budget (prompt + response) of one micro-batch; gradients accumulate across them
