@@ -1,4 +1,5 @@
-"""HFInferenceEngine weight-update modes: interrupt re-prefills, defer drains then swaps."""
+"""HFInferenceEngine weight-update modes: interrupt re-prefills (or, without ``reprefill``, decodes on
+over the stale cache), defer drains then swaps."""
 
 from __future__ import annotations
 
@@ -97,6 +98,57 @@ def test_interrupt_reprefills_and_continues_under_new_weights(old, new) -> None:
         top_p = torch.full((len(index),), r.params.top_p, dtype=torch.float64)
         resampled, _ = sample_tokens(logits[before:], temp, top_p, uniforms(key, index))
         assert tuple(resampled.tolist()) == c.token_ids[before:]  # the seed counter continued
+    assert done[-1].token_ids == _alone(new, requests[-1]).token_ids
+
+
+def _stale_cache_logprobs(old, new, c: Completion, r: GenerationRequest, before: int) -> list[float]:
+    """Log-probs of tokens ``before:`` decoded by ``new`` over the cache ``old`` computed for the prompt
+    and the first ``before - 1`` tokens (the last emitted token is fed after the load)."""
+    prompt, tokens = list(c.prompt_ids), list(c.token_ids)
+    out = []
+    with torch.no_grad():
+        cache = old(input_ids=torch.tensor([prompt + tokens[: before - 1]]), use_cache=True).past_key_values
+        for j in range(before, len(tokens)):
+            step = new(
+                input_ids=torch.tensor([[tokens[j - 1]]]),
+                position_ids=torch.tensor([[len(prompt) + j - 1]]),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = step.past_key_values
+            out.append(float(torch.log_softmax(step.logits[0, -1] / r.params.temperature, -1)[tokens[j]]))
+    return out
+
+
+def test_interrupt_without_reprefill_decodes_on_over_the_stale_cache(old, new) -> None:
+    requests = [
+        _req("a", [1, 2, 3], 10, seed=1),
+        _req("b", [4, 5, 6, 7, 8], 10, seed=2, top_p=0.9),
+        _req("late", [9, 10], 10, seed=4, temperature=0.7),  # admitted one step later
+        _req("queued", [11, 12, 13], 6, seed=5),  # waits for a free slot: all new-version tokens
+    ]
+    engine = HFInferenceEngine(copy.deepcopy(old), max_batch=3, version=0, reprefill=False)
+    futures = [engine.submit(r) for r in requests[:2]]
+    engine.step()
+    futures += [engine.submit(r) for r in requests[2:]]
+    engine.step()
+    engine.step()  # a, b: 4 tokens; late: 3 tokens
+    engine.update_weights(_weights(new), version=1, mode="interrupt")
+    stats = engine.stats()
+    assert engine.version == 1 and stats["reprefill_tokens"] == 0 and stats["stale_cache_rows"] == 3
+    _drain(engine)
+    done = [f.result() for f in futures]
+
+    for c, r, before in zip(done[:3], requests[:3], (4, 4, 3), strict=True):
+        assert c.versions == (0,) * before + (1,) * (r.params.max_new_tokens - before)
+        reference = _alone(old, r)
+        assert c.token_ids[:before] == reference.token_ids[:before]
+        assert c.logprobs[:before] == pytest.approx(reference.logprobs[:before], abs=1e-5)
+        stale = _stale_cache_logprobs(old, new, c, r, before)
+        assert c.logprobs[before:] == pytest.approx(stale, abs=1e-4)  # exactly what sampled them
+        rebuilt = torch.log_softmax(_forced_logits(new, c) / r.params.temperature, -1)
+        rebuilt = rebuilt.gather(1, torch.tensor(c.token_ids).unsqueeze(1)).squeeze(1)[before:]
+        assert not torch.allclose(torch.tensor(stale), rebuilt, atol=1e-3)  # the cache was not rebuilt
     assert done[-1].token_ids == _alone(new, requests[-1]).token_ids
 
 

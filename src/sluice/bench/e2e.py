@@ -42,10 +42,17 @@ VARIANTS: dict[str, list[str]] = {
     "async η=4": ["run.mode=async", "rollout.max_staleness=4"],
     "async η=1 dp2": ["run.mode=async", "rollout.max_staleness=1", "resources.trainer.ranks=2", "trainer.strategy=ddp"],
     "sync 1 thread": ["run.mode=sync", "run.backend=local", "run.threads=1"],
-    "async η=1 1proc": ["run.mode=async", "rollout.max_staleness=1", "run.backend=local", "run.threads=1"],
+    "async η=1 1proc": [
+        "run.mode=async",
+        "rollout.max_staleness=1",
+        "run.backend=local",
+        "run.threads=1",
+        "rollout.reprefill=false",
+    ],
 }
 """``async η=1 1proc``: the one-process placement (rollout on the event loop, trainer in a thread, one
-torch thread each): no Ray actors, queue actors or weight registry to pay for on one node."""
+torch thread each): no Ray actors, queue actors or weight registry to pay for on one node; an
+in-flight weight load keeps the running rows' KV cache (``rollout.reprefill``: no re-prefill)."""
 
 
 DEFAULT_VARIANTS = ["sync", "stream η=0", "async η=1", "async η=4", "async η=1 dp2", "sync 1 thread", "async η=1 1proc"]

@@ -63,6 +63,19 @@ class RolloutConfig(_Section):
     ``defer`` (finish running sequences on the old weights, then swap; drain time is counted),
     ``staggered`` (replicas one at a time; a single engine behaves like ``defer``)."""
 
+    reprefill: bool = True
+    """``weight_update: interrupt``: rebuild the running sequences' KV cache under the new weights
+    (AReaL). ``false`` keeps the cache the older weights computed and decodes on (PipelineRL): no
+    re-prefill compute; tokens sampled after the load carry the new version and exactly the
+    log-probs they were sampled with, which the off-policy losses correct for. Built-in engine
+    (``engine: hf``) only."""
+
+    @model_validator(mode="after")
+    def _reprefill_engine(self) -> RolloutConfig:
+        if not self.reprefill and self.engine != "hf":
+            raise ValueError(f"rollout.reprefill: false needs rollout.engine: hf (got {self.engine!r})")
+        return self
+
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights and activations of the built-in engine (``engine: hf``; vLLM has ``vllm.dtype``).
     ``bfloat16`` is faster on GPUs and AMX CPUs; the trainer's ``logprob_gap_*`` metrics show the
@@ -261,4 +274,4 @@ class SluiceConfig(_Section):
             return self.vllm.model_dump()
         if self.rollout.engine == "sglang":
             return self.sglang.model_dump()
-        return {"dtype": self.rollout.dtype}
+        return {"dtype": self.rollout.dtype, "reprefill": self.rollout.reprefill}

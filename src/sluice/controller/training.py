@@ -40,6 +40,7 @@ ENGINE_SYNC_STATS = (
     "weight_updates_superseded",
     "weight_drain_s",
     "reprefill_tokens",
+    "stale_cache_rows",
     "steps",
     "generated_tokens",
     "drive_s",

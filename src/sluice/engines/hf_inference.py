@@ -13,7 +13,10 @@ Weight updates (DESIGN.md "Versions and staleness"), always applied between two 
 
 - ``interrupt`` (AReaL): load now, then re-prefill every running row (prompt + tokens so far)
   under the new weights so its KV cache is consistent, and keep decoding. Emitted tokens keep
-  their versions; later ones carry the new version; the sampling counter continues.
+  their versions; later ones carry the new version; the sampling counter continues. With
+  ``reprefill=False`` (PipelineRL) the running rows keep the KV cache the older weights computed
+  and go on decoding under the new ones: no re-prefill compute; each later token's log-prob is
+  exactly the one it was sampled with (new weights over that stale cache).
 - ``defer`` (AsyncFlow's delayed update): copy the weights into a host buffer and return; stop
   admitting; running rows finish on the old weights (drain); then swap, set the version and
   resume admission. A newer update replaces a staged one. Drain time is counted in ``stats()``.
@@ -80,6 +83,7 @@ class HFInferenceEngine:
         version: int = 0,
         device: str | None = None,
         admit_fraction: float = 0.25,
+        reprefill: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -89,6 +93,8 @@ class HFInferenceEngine:
         self.device = next(self.model.parameters()).device
         self.max_batch = max_batch
         self._admit_batch = max(1, int(max_batch * admit_fraction))
+        self.reprefill = reprefill
+        """``interrupt``: rebuild running rows' KV cache under the new weights (else keep the stale one)."""
         self.version = version
         self._waiting: deque[_Seq] = deque()
         self._submitted = 0
@@ -104,7 +110,7 @@ class HFInferenceEngine:
         self._drive_s = 0.0
         self._activated_at = time.time()
         counters = ("generated_tokens", "prefill_tokens", "reprefill_tokens", "steps", "weight_updates")
-        self._counts = dict.fromkeys((*counters, "weight_updates_superseded"), 0)
+        self._counts = dict.fromkeys((*counters, "stale_cache_rows", "weight_updates_superseded"), 0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: Any) -> HFInferenceEngine:
@@ -150,9 +156,11 @@ class HFInferenceEngine:
             if staged is not None:  # admission was stopped since it was staged
                 self._drain_s += time.perf_counter() - staged.since
             self._load(weights, version)
-            if self._rows is not None:
+            if self._rows is not None and self.reprefill:
                 with torch.inference_mode():
                     self._reprefill(self._rows)
+            elif self._rows is not None:  # decoding goes on over the cache the older weights computed
+                self._counts["stale_cache_rows"] += len(self._rows.seqs)
             return
         since = staged.since if staged is not None else time.perf_counter()
         self._staged = _Staged(self._stage(weights), version, since)
@@ -160,6 +168,7 @@ class HFInferenceEngine:
 
     def stats(self) -> dict[str, float]:
         """Counters plus weight-sync state: ``version``, ``pending_version`` (-1: none staged),
+        ``stale_cache_rows`` (rows an ``interrupt`` load left decoding over an older cache: ``reprefill=False``),
         ``weight_updates`` (loads), ``weight_updates_superseded`` (staged ones replaced by newer),
         ``weight_drain_s`` (cumulative seconds admission stood still for a staged update),
         ``drive_s`` (wall seconds of driven iterations: a step plus whatever else the event loop's
