@@ -15,6 +15,7 @@ timed. Prints a table, writes JSON. It measures; it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,19 @@ def run(name: str, overrides: list[str], out_dir: str) -> dict[str, Any]:
         "loop_s": round(result.loop_seconds, 1),
         "wall_s": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir),
+        **engine_and_cpu(result.run_dir / "metrics.jsonl"),
     }
+
+
+def engine_and_cpu(metrics: Path) -> dict[str, float]:
+    """The run's last engine counters (decode steps, prefill forwards, generated tokens) and CPU
+    seconds by process role (``cpu_other``: processes of no sluice role, the agents' among them)."""
+    last: dict[str, float] = {}
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        last.update({k: v for k, v in record.items() if k.startswith(("engine_", "cpu_")) and isinstance(v, float)})
+    keep = ("engine_steps", "engine_prefills", "engine_generated_tokens")
+    return {k: v for k, v in last.items() if k in keep or (k.startswith("cpu_") and v >= 0.5)}
 
 
 def main() -> None:
@@ -53,11 +66,13 @@ def main() -> None:
     run("env", [*args.overrides, "run.steps=1", "run.eval_every=0"], args.out_dir + "/warmup")  # builds the warm start
     rows = [run(name, args.overrides, args.out_dir) for name in ("env", "agent")]
     env = rows[0]
-    print(f"{'variant':<7} {'accuracy':>13} {'loop s':>7} {'wall s':>7} {'loop vs env':>11}")
+    print(f"{'variant':<7} {'accuracy':>13} {'loop s':>7} {'wall s':>7} {'loop vs env':>11} {'steps':>6} {'cpu s':>6}")
     for row in rows:
         acc = f"{100 * (row['base_accuracy'] or 0):.1f}→{100 * (row['final_accuracy'] or 0):.1f}"
         ratio = row["loop_s"] / env["loop_s"] if env["loop_s"] else float("nan")
-        print(f"{row['variant']:<7} {acc:>13} {row['loop_s']:>7.1f} {row['wall_s']:>7.1f} {ratio:>10.2f}x")
+        steps, cpu = row.get("engine_steps", float("nan")), row.get("cpu_total", float("nan"))
+        times = f"{row['loop_s']:>7.1f} {row['wall_s']:>7.1f}"
+        print(f"{row['variant']:<7} {acc:>13} {times} {ratio:>10.2f}x {steps:>6.0f} {cpu:>6.1f}")
     write_results(args.out, args, rows)
 
 

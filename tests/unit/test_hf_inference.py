@@ -259,3 +259,20 @@ def test_from_pretrained_loads_a_saved_folder(model: LlamaForCausalLM, tmp_path:
     completion = _run(loaded, [request])[0]
     assert completion.token_ids == _alone(model, request).token_ids
     assert completion.versions == (7,) * 6 and not loaded.model.training
+
+
+def test_prefills_count_one_forward_per_prompt_length_per_admission(model: LlamaForCausalLM) -> None:
+    """``prefills`` counts prefill forwards: requests admitted together share one per distinct
+    prompt length; requests trickling in one per step while rows run (as agent calls do) each
+    cost one (``benchmarks/agent_vs_env.py`` reports it)."""
+    together = HFInferenceEngine(model, max_batch=16)
+    _run(together, [_req(f"a{i}", [1 + i, 2, 3][: 1 + i % 3], seed=i) for i in range(6)])
+    assert together.stats()["prefills"] == 3  # one admission, three prompt lengths
+    trickled = HFInferenceEngine(model, max_batch=16)
+    futures = [trickled.submit(_req("long", [1, 2, 3], n=20, seed=1))]
+    for i in range(5):
+        trickled.step()
+        futures.append(trickled.submit(_req(f"t{i}", [4 + i, 5], n=3, seed=10 + i)))
+    while trickled.has_work():
+        trickled.step()
+    assert all(f.done() for f in futures) and trickled.stats()["prefills"] == 6

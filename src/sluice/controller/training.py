@@ -41,6 +41,7 @@ ENGINE_SYNC_STATS = (
     "weight_drain_s",
     "reprefill_tokens",
     "stale_cache_rows",
+    "prefills",
     "steps",
     "generated_tokens",
     "drive_s",

@@ -109,7 +109,7 @@ class HFInferenceEngine:
         self._drain_s = 0.0
         self._drive_s = 0.0
         self._activated_at = time.time()
-        counters = ("generated_tokens", "prefill_tokens", "reprefill_tokens", "steps", "weight_updates")
+        counters = ("generated_tokens", "prefill_tokens", "prefills", "reprefill_tokens", "steps", "weight_updates")
         self._counts = dict.fromkeys((*counters, "stale_cache_rows", "weight_updates_superseded"), 0)
 
     @classmethod
@@ -286,6 +286,7 @@ class HFInferenceEngine:
         new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         cache, mask, logits, computed = prefill(self.model, [s.request.prompt_ids for s in new])
         self._counts["prefill_tokens"] += computed
+        self._counts["prefills"] += len({len(s.request.prompt_ids) for s in new})  # one forward per length
         keys = [seed_key(s.request.seed) for s in new]
         fresh = Rows.start(new, [s.request.params for s in new], keys, cache, mask)
         done, stopped = self._advance(fresh, logits)
