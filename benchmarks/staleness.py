@@ -78,7 +78,7 @@ def run_row(eta: int, loss: str, seed: int, common: list[str], out_dir: Path) ->
     from sluice.config import load_config
     from sluice.rl_trainer import RLTrainer
 
-    name = f"eta{eta}_{loss}_s{seed}"
+    name = run_name(eta, loss, seed)
     shutil.rmtree(out_dir / name, ignore_errors=True)  # a piece stopped mid-row left a partial run: start it anew
     cfg = load_config(
         None,
@@ -97,8 +97,18 @@ def run_row(eta: int, loss: str, seed: int, common: list[str], out_dir: Path) ->
         ],
     )
     result = RLTrainer(cfg).fit()
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(result.run_dir / "metrics.jsonl")
     return summarise(eta, loss, seed, records, result.loop_seconds)
+
+
+def run_name(eta: int, loss: str, seed: int) -> str:
+    """A row's run folder under ``--runs-dir``."""
+    return f"eta{eta}_{loss}_s{seed}"
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """A run's ``metrics.jsonl`` records; none when it does not exist."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def summarise(eta: int, loss: str, seed: int, records: list[dict[str, Any]], loop_s: float) -> dict[str, Any]:
@@ -213,12 +223,11 @@ def format_instruments(rows: list[dict[str, Any]]) -> str:
     mean_acc = {cell: sum(r["final_accuracy"] for r in group) / len(group) for cell, group in cells.items()}
     by_accuracy = sorted(cells.items(), key=lambda kv: (kv[0][0], -mean_acc[kv[0]]))
     for (eta, loss), group in by_accuracy:
-        acc = 100 * sum(r["final_accuracy"] for r in group) / len(group)
         values = []
         for name in INSTRUMENTS:
             got = [r[name] for r in group if r.get(name) is not None]
             values.append("–" if not got else f"{sum(got) / len(got):.3f}")
-        lines.append(f"| {eta} | {loss} | {acc:.1f} % | " + " | ".join(values) + " |")
+        lines.append(f"| {eta} | {loss} | {100 * mean_acc[eta, loss]:.1f} % | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
@@ -336,8 +345,7 @@ def collect(runs_dir: Path, cells: list[tuple[int, str, int]], steps: int) -> li
     metrics (last train record − first evaluation) and the row says so (``collected``)."""
     rows = []
     for eta, loss, seed in cells:
-        path = runs_dir / f"eta{eta}_{loss}_s{seed}" / "metrics.jsonl"
-        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        records = read_records(runs_dir / run_name(eta, loss, seed) / "metrics.jsonl")
         train = [r for r in records if r["kind"] == "train"]
         if len(train) != steps or not any(r["kind"] == "fates" for r in records):
             continue
@@ -350,10 +358,9 @@ def collect(runs_dir: Path, cells: list[tuple[int, str, int]], steps: int) -> li
 def enrich(row: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
     """A kept row from before the ``INSTRUMENTS`` existed, with them read from its run's metrics
     (when that run is still in ``runs_dir`` and finished)."""
-    path = runs_dir / f"eta{row['eta']}_{row['loss']}_s{row['seed']}" / "metrics.jsonl"
-    if all(name in row for name in INSTRUMENTS) or not path.exists():
+    if all(name in row for name in INSTRUMENTS):
         return row
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records = read_records(runs_dir / run_name(row["eta"], row["loss"], row["seed"]) / "metrics.jsonl")
     if len([r for r in records if r["kind"] == "train"]) != row["steps"]:
         return row
     fresh = summarise(row["eta"], row["loss"], row["seed"], records, row["loop_s"])
