@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from sluice.api import RowMeta
+from sluice.api import Partition, RowMeta
 from sluice.rollout.groups import GroupCommitWriter
 
 
@@ -16,12 +16,14 @@ class SlowQueue:
 
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[list[int]] = []
+        self.partitions: list[Partition | None] = []
         self.rows: dict[int, int] = {}
         self.release = asyncio.Event()
         self.fail = fail
 
     async def put(self, indices, columns, meta=None, *, partition=None) -> None:
         self.calls.append(list(indices))
+        self.partitions.append(partition)
         await self.release.wait()
         self.release.clear()
         if self.fail:
@@ -85,5 +87,27 @@ def test_a_cancelled_put_does_not_break_the_others():
         with pytest.raises(asyncio.CancelledError):
             await a
         assert queue.rows == {i: 10 * i for i in range(4)}  # its rows were stored all the same
+
+    asyncio.run(main())
+
+
+def test_groups_of_different_steps_go_out_in_one_call_per_partition():
+    """A multi-controller run's groups carry their step: rows of two partitions never share a
+    queue call (the call declares its partition's expected rows)."""
+
+    async def main():
+        queue = SlowQueue()
+        writer = GroupCommitWriter(queue)
+        first = asyncio.ensure_future(writer.put(*_group(0), Partition(0, 4)))
+        await asyncio.sleep(0)
+        steps = [Partition(0, 4), Partition(1, 4), Partition(1, 4)]
+        rest = [asyncio.ensure_future(writer.put(*_group(g), p)) for g, p in zip((1, 2, 3), steps, strict=True)]
+        await asyncio.sleep(0)
+        for _ in range(3):
+            queue.release.set()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(first, *rest)
+        assert queue.calls == [[0, 1], [2, 3], [4, 5, 6, 7]]
+        assert queue.partitions == [Partition(0, 4), Partition(0, 4), Partition(1, 4)]
 
     asyncio.run(main())

@@ -6,6 +6,7 @@ behaviour. Tensors appear only as annotations (``"torch.Tensor"``) so this packa
 
 from sluice.api.env import Env, EnvStep, ToolEnv
 from sluice.api.protocols import (
+    AdmissionCredits,
     Algorithm,
     InferenceEngine,
     LengthPredictor,
@@ -28,6 +29,7 @@ from sluice.api.queue import (
 )
 from sluice.api.types import (
     Completion,
+    Credit,
     GenerationRequest,
     GroupReport,
     LossInputs,
@@ -39,10 +41,12 @@ from sluice.api.types import (
 )
 
 __all__ = [
+    "AdmissionCredits",
     "Algorithm",
     "AsyncQueueClient",
     "Batch",
     "Completion",
+    "Credit",
     "Env",
     "EnvStep",
     "GenerationRequest",

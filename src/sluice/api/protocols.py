@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from sluice.api.types import Completion, GenerationRequest, LossInputs, LossOutputs, MicroBatch, Sample
+from sluice.api.types import (
+    Completion,
+    Credit,
+    GenerationRequest,
+    GroupReport,
+    LossInputs,
+    LossOutputs,
+    MicroBatch,
+    Sample,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -199,3 +208,16 @@ class RewardFailure(Exception):
         self.reason = f"reward_{kind}:{name}"
         self.detail = detail
         """The error itself (``ValueError: boom``, ``returned nan, not a finite number``)."""
+
+
+class AdmissionCredits(Protocol):
+    """Where a multi-controller rollout worker takes admission credits and reports its groups
+    (the run's ``StepGate``, reached by a small call: no sample bytes)."""
+
+    async def acquire(self, n: int) -> list[Credit]:
+        """Up to ``n`` credits, waiting for a free slot; empty when the run admits no more."""
+        ...
+
+    async def report(self, report: GroupReport) -> None:
+        """The group ended: kept (its rows are in the queue) or discarded by a named filter."""
+        ...

@@ -168,3 +168,14 @@ class GroupReport:
     'NAME'`` (``None``: no failure; the run's failure budget counts these)."""
     error: str = ""
     """That failure's error text (the group's first failed reward call, or last failed episode)."""
+
+
+@dataclass(frozen=True)
+class Credit:
+    """A multi-controller run's admission credit for one prompt group (``run.controller: multi``)."""
+
+    group_id: int
+    step: int
+    """The training step (global batch, queue partition) whose slot the group fills."""
+    version: int
+    """The policy version every engine held when the credit was granted."""

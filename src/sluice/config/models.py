@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from sluice.config.agentic import AgenticConfig
 from sluice.config.data import DataConfig, EvalConfig, ModelConfig, TaskConfig
 from sluice.config.fleet import FleetConfig, check_fleet
-from sluice.config.modes import sync_is_eta_zero
+from sluice.config.modes import check_controller, sync_is_eta_zero
 from sluice.config.resources import ResourcesConfig, check_resources
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
@@ -131,6 +131,15 @@ class RunConfig(_Section):
     """Where the workers run, in either mode: ``ray`` (one actor per role, the production
     placement) or ``local`` (one process: the rollout worker on the event loop, the trainer in a
     thread)."""
+
+    controller: Literal["single", "multi"] = "single"
+    """Who moves the data (docs/dag.md). ``single``: the driver admits every group, sends the
+    rollout worker its prompts and deals each step's groups to the trainer ranks. ``multi``
+    (DistFlow's multi-controller): each of ``resources.rollout.workers`` rollout workers loads
+    its own shard of the prompts and takes admission credits from the staleness gate, each
+    trainer rank reads its own token-balanced shard of the step from the queue, and the driver
+    only bumps versions, syncs weights and logs (``run.backend: ray``; single-turn tasks; no
+    redundant prompts, no checkpoints yet)."""
 
     dag: str | None = None
     """The algorithm's data flow as a DAG file (docs/dag.md): a built-in name (``grpo``, ``grpo_kl``,
@@ -256,6 +265,7 @@ class SluiceConfig(_Section):
     @model_validator(mode="after")
     def _resources_fit(self) -> SluiceConfig:
         check_resources(self.resources, self.run.backend, self.trainer.strategy)
+        check_controller(self)
         return self
 
     agentic: AgenticConfig = AgenticConfig()

@@ -2,8 +2,9 @@
 
 ``run.mode: sync`` is the barrier schedule at η = 0 of the same workers as ``async``: it sets
 ``rollout.max_staleness`` to 0 and refuses a staleness bound or ``rollout.forced_lag`` (both
-need overlap). Every other option means the same in both modes. Deliberately not here: the
-sections themselves (``config/models.py``).
+need overlap). Every other option means the same in both modes. ``check_controller``: what
+``run.controller: multi`` cannot run yet. Deliberately not here: the sections themselves
+(``config/models.py``).
 """
 
 from __future__ import annotations
@@ -31,3 +32,24 @@ def sync_is_eta_zero(data: Any) -> Any:
     if isinstance(rollout, dict):
         return {**data, "rollout": {**rollout, "max_staleness": 0}}
     return {**data, "rollout": rollout.model_copy(update={"max_staleness": 0})}
+
+
+def check_controller(config: Any) -> None:
+    """``run.controller: multi`` (a ``SluiceConfig``) runs on Ray, without redundant prompts or
+    checkpoints; several rollout workers need it. One ``ValueError`` naming the field."""
+    run, workers = config.run, config.resources.rollout.workers
+    if run.controller == "single":
+        if workers > 1:
+            raise ValueError(f"resources.rollout.workers={workers} needs run.controller: multi")
+        return
+    refused = {
+        "run.backend": run.backend != "ray",
+        "rollout.redundant_groups": config.rollout.redundant_groups > 0,
+        "run.checkpoint_every": run.checkpoint_every > 0,
+        "run.resume": run.resume is not None,
+        "agentic.env": config.agentic.env is not None or config.agentic.agent is not None,
+        "rollout.forced_lag": config.rollout.forced_lag,
+    }
+    for name, bad in refused.items():
+        if bad:
+            raise ValueError(f"{name}: not available with run.controller=multi (docs/dag.md); use single")

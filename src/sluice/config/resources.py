@@ -15,6 +15,10 @@ from sluice.config.section import Section as _Section
 
 
 class RolloutResources(_Section):
+    workers: int = Field(default=1, ge=1)
+    """Rollout worker processes, each with its own engines and its own shard of the prompts
+    (``run.controller: multi`` only; the single controller drives one)."""
+
     replicas: int = Field(default=1, ge=1)
     """Inference engine replicas behind the rollout worker's LLMProxy (least-outstanding-tokens
     routing). Without ``replica_actors`` they live in the rollout worker's process and share its

@@ -56,6 +56,10 @@ class RayPipeline(_Pipeline):
     with ``resources.trainer.ranks`` > 1, that many trainer actors form one process group, and each step's
     groups are dealt to them by tokens (each to the rank with the fewest so far)."""
 
+    rollout_class: type[RolloutWorker] = RolloutWorker
+    rollout_restarts_allowed = ROLLOUT_RESTARTS
+    """How often Ray restarts a dead rollout worker (this pipeline re-syncs the replacement)."""
+
     def __init__(self, spec: PipelineSpec, prompts: PromptStream, address: str | None = None) -> None:
         import ray
 
@@ -64,7 +68,9 @@ class RayPipeline(_Pipeline):
         super().__init__(spec, prompts)
         ensure_ray(address)
         cluster, nodes = ray.cluster_resources(), placement(spec).node_workers
-        plan = plan_placement(spec.config.resources, cluster, len(nodes))
+        self.extra_rollouts = spec.config.resources.rollout.workers - 1
+        """Rollout workers beside the first (``resources.rollout.workers``: multi-controller runs)."""
+        plan = plan_placement(spec.config.resources, cluster, len(nodes) + self.extra_rollouts)
         self.placement = RayPlacement(plan)
         # a row is freed once every task read it: a long run's queue holds the rows in flight only
         self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec), free_consumed=True)
@@ -73,11 +79,12 @@ class RayPipeline(_Pipeline):
         self.weight_sync, self.engine_weight_sync = weight_syncs(
             fleet, f"sluice-weights-{os.getpid()}-{id(self)}", meet
         )
-        over = spec.rollout_threads + spec.trainer_threads * spec.ranks > (os.cpu_count() or 1)
+        rollout_threads = spec.rollout_threads * (1 + self.extra_rollouts)
+        over = rollout_threads + spec.trainer_threads * spec.ranks > (os.cpu_count() or 1)
         rollout_options = self.placement.options(plan.rollout) | _runtime(spec.rollout_threads, over)
         # replaceable: Ray restarts it (a fresh worker at version 0), the pipeline re-syncs it
-        rollout_options.update(max_restarts=ROLLOUT_RESTARTS, max_task_retries=0)
-        rollout_cls: Any = supervised(RolloutWorker).options(**rollout_options)
+        rollout_options.update(max_restarts=self.rollout_restarts_allowed, max_task_retries=0)
+        rollout_cls: Any = supervised(self.rollout_class).options(**rollout_options)
         replicas = self.placement.replica_options()
         self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async(), replicas))
         self.rollout_restarts = 0
@@ -103,7 +110,8 @@ class RayPipeline(_Pipeline):
         self._rank_tokens: list[int] = []
         self._step_groups = 0
         """Groups handed to the ranks this step: the next group's position in the step."""
-        share = actor_cpu_share(cluster.get("CPU", 1.0), 1 + spec.ranks + len(nodes))
+        share = actor_cpu_share(cluster.get("CPU", 1.0), 1 + spec.ranks + len(nodes) + self.extra_rollouts)
+        self.actor_share, self.oversubscribed = share, over
         node_cls: Any = supervised(NodeTaskWorker).options(num_cpus=share, **_runtime(1, True))
         node_kwargs = node_worker_kwargs(spec, self.critic_sync)
         self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in nodes]

@@ -21,12 +21,12 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from sluice.api import GroupReport, PromptItem
-from sluice.config import SluiceConfig
+from sluice.config import ConfigError, SluiceConfig
 from sluice.config.data import EvalConfig
 from sluice.controller.failures import FailureBudget
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.ray_pipeline import RayPipeline
-from sluice.controller.training import place_pipeline
+from sluice.controller.training import place_single
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
 
@@ -44,8 +44,11 @@ class StepByStep:
         """The version of the trainer's weights (optimizer steps taken)."""
         self.failures = FailureBudget(config.run.failure_budget, config.run.failure_window)
 
+        if config.run.controller == "multi":
+            raise ConfigError("run.controller=multi: its workers admit their own groups; use single here")
+
         async def place() -> LocalPipeline | RayPipeline:
-            return place_pipeline(config, spec, prompts)
+            return place_single(config, spec, prompts)
 
         self.pipeline = self._call(place())
 

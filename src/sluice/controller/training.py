@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
-from sluice.config import SluiceConfig
+from sluice.config import ConfigError, SluiceConfig
 from sluice.controller.failures import FailureBudget, RunStopped
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller, StepCallback
+from sluice.controller.multi import MultiController, MultiRayPipeline
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.preemption import Preemption, RunPreempted
 from sluice.controller.ray_pipeline import RayPipeline
@@ -28,6 +29,7 @@ from sluice.controller.resume import DriverState, restore_checkpoint, resume_con
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.staleness import StalenessGate
 from sluice.controller.supervision import Watchdog, supervised
+from sluice.dag.loader import write_prompt_file
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
 from sluice.telemetry.cpu import CpuMeter
@@ -50,8 +52,21 @@ ENGINE_SYNC_STATS = (
 )
 
 
-def place_pipeline(config: SluiceConfig, spec: PipelineSpec, prompts: PromptStream) -> LocalPipeline | RayPipeline:
-    """The run's workers on ``run.backend``: one process (``local``) or an actor each (``ray``)."""
+def place_pipeline(run: TrainingRun, spec: PipelineSpec) -> LocalPipeline | RayPipeline:
+    """The run's workers on ``run.backend``: one process (``local``) or an actor each (``ray``);
+    ``run.controller: multi`` gives each rollout worker a shard of the prompts, written once to
+    the run's ``prompts.jsonl`` (``controller/multi.py``)."""
+    config, prompts = run.config, run.prompts
+    if config.run.controller == "multi":
+        if spec.agentic is not None:
+            raise ConfigError("run.controller=multi: single-turn tasks only (this task runs an environment)")
+        source = write_prompt_file(prompts.items, run.run_dir / "prompts.jsonl")
+        return MultiRayPipeline(spec, prompts, source, config.run.ray_address)
+    return place_single(config, spec, prompts)
+
+
+def place_single(config: SluiceConfig, spec: PipelineSpec, prompts: PromptStream) -> LocalPipeline | RayPipeline:
+    """The single controller's workers: one process (``local``) or an actor each (``ray``)."""
     if config.run.backend == "ray":
         return RayPipeline(spec, prompts, config.run.ray_address)
     return LocalPipeline(spec, prompts)
@@ -73,7 +88,7 @@ async def run_training(
     elif not run.eval_items:
         log.warning("no evaluation: the evaluation set is empty (data.val_files gives one)")
     _stop_if_asked(stop, run)
-    pipeline = place_pipeline(cfg, spec, run.prompts)
+    pipeline = place_pipeline(run, spec)
     try:
         _stop_if_asked(stop, run)
         if resumed is None:
@@ -88,7 +103,12 @@ async def run_training(
         ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
         barrier = cfg.run.mode == "sync"
         failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
-        controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier, failures=failures)
+        controller: Controller | MultiController
+        if isinstance(pipeline, MultiRayPipeline):  # the workers admit; the driver bumps versions
+            eta = cfg.rollout.max_staleness
+            controller = MultiController(pipeline, cfg.rollout.prompts_per_step, eta, barrier=barrier)
+        else:
+            controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier, failures=failures)
         # a silent worker, or a loop that stops moving, ends the run (controller/supervision.py)
         watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress)
 
@@ -101,17 +121,22 @@ async def run_training(
             if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
                 run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))
             checkpoint = None
-            if run.checkpoint_due(version):
+            single = controller if isinstance(controller, Controller) else None  # multi: no checkpoints yet
+            if single is not None and run.checkpoint_due(version):
                 with watchdog.paused():
-                    checkpoint = await save_checkpoint(run, controller, pipeline, version)
+                    checkpoint = await save_checkpoint(run, single, pipeline, version)
             if stop.signal is not None:  # preemption: a checkpoint whatever the period, then stop
-                with watchdog.paused():
-                    checkpoint = checkpoint or await save_checkpoint(run, controller, pipeline, version)
+                if single is not None:
+                    with watchdog.paused():
+                        checkpoint = checkpoint or await save_checkpoint(run, single, pipeline, version)
+                else:
+                    log.warning("run.controller=multi writes no checkpoint: stopped at step %d without one", version)
                 preempted.append(RunPreempted(stop.signal, version, checkpoint))
                 return False
             return keep_going
 
         if resumed is not None:  # restart the groups that were generating at the checkpoint
+            assert isinstance(controller, Controller), "the config refuses run.resume with run.controller=multi"
             resume_controller(controller, resumed)
         cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
         await _supervised_loop(run, controller, pipeline, watchdog, after_step)
@@ -127,6 +152,9 @@ async def run_training(
             write_chrome_trace(run.run_dir / "trace.json", [before if resumed is None else [], loop, after])
             run.metrics.log("trace", **trace_numbers(loop))
         run.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
+        if isinstance(pipeline, MultiRayPipeline):  # where each worker's prompt shard stands
+            cursors = {f"shard{c['rank']}_{k}": float(c[k]) for c in pipeline.cursors for k in ("epoch", "position")}
+            run.metrics.log("shards", **cursors)
         await pipeline.save(str(run.final_model_dir))
         return base, final
     finally:
@@ -142,7 +170,7 @@ def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:
 
 async def _supervised_loop(
     run: TrainingRun,
-    controller: Controller,
+    controller: Controller | MultiController,
     pipeline: LocalPipeline | RayPipeline,
     watchdog: Watchdog,
     after_step: StepCallback,
@@ -172,7 +200,10 @@ async def _evaluate(
 
 
 async def _log_run_end(
-    run: TrainingRun, controller: Controller, pipeline: LocalPipeline | RayPipeline, spec: PipelineSpec
+    run: TrainingRun,
+    controller: Controller | MultiController,
+    pipeline: LocalPipeline | RayPipeline,
+    spec: PipelineSpec,
 ) -> None:
     """The workers' end-of-run numbers: weight fingerprints, engine and reward counters."""
     (t_version, t_sum), (e_version, e_sum) = await pipeline.fingerprints()
@@ -191,7 +222,9 @@ async def _log_run_end(
         run.metrics.log("episodes", **{k: v for k, v in engine.items() if k.startswith("env_")})
 
 
-def step_stats(controller: Controller, chosen: list[int], version: int, metrics: dict[str, float]) -> dict[str, float]:
+def step_stats(
+    controller: Controller | MultiController, chosen: list[int], version: int, metrics: dict[str, float]
+) -> dict[str, float]:
     """Rollout statistics of the groups a step trained, from their reports (no sample data).
 
     ``trained_before_generated`` is 1 when the trainer's first micro-batch of the step started

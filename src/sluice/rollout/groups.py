@@ -26,7 +26,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any, Literal
 
-from sluice.api import AsyncQueueClient, GroupReport, InferenceEngine, PromptItem, RewardFn, RowMeta, Sample
+from sluice.api import (
+    AsyncQueueClient,
+    GroupReport,
+    InferenceEngine,
+    Partition,
+    PromptItem,
+    RewardFn,
+    RowMeta,
+    Sample,
+)
 from sluice.queue.samples import samples_to_rows
 from sluice.rollout.filters import GroupFilter, reward_failure, reward_failure_cause
 from sluice.rollout.group_tasks import GroupTasks
@@ -34,7 +43,7 @@ from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.telemetry.trace import SpanRecorder
 
 Scheduling = Literal["queue", "batch"]
-_Rows = tuple[Sequence[int], Mapping[str, Sequence[Any]], Sequence[RowMeta]]
+_Rows = tuple[Sequence[int], Mapping[str, Sequence[Any]], Sequence[RowMeta], Partition | None]
 
 
 class GroupCommitWriter:
@@ -50,9 +59,16 @@ class GroupCommitWriter:
         """Queue calls made (``puts`` / ``writes`` is the batching achieved)."""
         self.puts = 0
 
-    async def put(self, indices: Sequence[int], columns: Mapping[str, Sequence[Any]], meta: Sequence[RowMeta]) -> None:
+    async def put(
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        meta: Sequence[RowMeta],
+        partition: Partition | None = None,
+    ) -> None:
+        """Store one group's rows (into ``partition``, if given: a multi-controller run's step)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append(((indices, columns, meta), done))
+        self._pending.append(((indices, columns, meta, partition), done))
         self.puts += 1
         if self._writer is None or self._writer.done():
             self._writer = asyncio.ensure_future(self._write_pending())
@@ -60,13 +76,15 @@ class GroupCommitWriter:
 
     async def _write_pending(self) -> None:
         while self._pending:
-            batch, self._pending = self._pending, []
+            first = self._pending[0][0][3]  # one queue call per partition: the rows of one step
+            cut = next((k for k, (rows, _) in enumerate(self._pending) if rows[3] != first), len(self._pending))
+            batch, self._pending = self._pending[:cut], self._pending[cut:]
             indices = [i for (rows, _) in batch for i in rows[0]]
             columns = {name: [v for (rows, _) in batch for v in rows[1][name]] for name in batch[0][0][1]}
             meta = [m for (rows, _) in batch for m in rows[2]]
             self.writes += 1
             try:
-                await self.queue.put(indices, columns, meta)
+                await self.queue.put(indices, columns, meta, partition=first)
             except asyncio.CancelledError:
                 for _, done in batch:
                     done.cancel()
@@ -106,14 +124,19 @@ class GroupRunner:
         self.scheduling = scheduling
         self.tracer = tracer or SpanRecorder("rollout", enabled=False)
         self._groups = GroupTasks()
+        self._partitions: dict[int, Partition] = {}
+        """The queue partition of each group of a multi-controller run still to be stored."""
 
-    async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
+    async def run_groups(
+        self, groups: Sequence[tuple[PromptItem, int]], partitions: Mapping[int, Partition] | None = None
+    ) -> AsyncIterator[GroupReport]:
         """Start a wave of groups together, then report each as it ends (completion order).
 
         Submitting a whole admission wave before the engine takes its next step makes the
         engine's batches independent of message timing, so a wave reproduces the sync loop's
-        batches exactly.
+        batches exactly. ``partitions``: the queue partition (step) each group's rows join.
         """
+        self._partitions.update(partitions or {})
         if self.scheduling == "batch":
             work = self._batch(groups)
         else:
@@ -152,10 +175,11 @@ class GroupRunner:
     async def _store(self, group_id: int, samples: list[Sample]) -> GroupReport:
         reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)
         failed_by, error = reward_failure_cause(samples) or (None, "")
+        partition = self._partitions.pop(group_id, None)
         if reason is None:
             indices, columns, meta = samples_to_rows(samples, self.workflow.group_size)
             with self.tracer.span("queue_put", lane="queue", group=group_id):
-                await self.writer.put(indices, columns, meta)
+                await self.writer.put(indices, columns, meta, partition)
         return GroupReport(
             group_id=group_id,
             version=min(s.version for s in samples),

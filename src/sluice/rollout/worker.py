@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sluice.api import AsyncQueueClient, GroupReport, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.api import AsyncQueueClient, GroupReport, Partition, PromptItem, RewardFn, SamplingParams, WeightSync
 from sluice.config import ConfigError
 from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
@@ -158,10 +158,16 @@ class RolloutWorker:
             replacements=ENGINE_REPLACEMENTS,
         )
 
-    async def run_groups(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
-        """Start a wave of groups together, then report each as it completes (``GroupRunner``)."""
+    async def run_groups(
+        self, groups: Sequence[tuple[PromptItem, int]], partitions: Mapping[int, Partition] | None = None
+    ) -> AsyncIterator[GroupReport]:
+        """Start a wave of groups together, then report each as it completes (``GroupRunner``);
+        ``partitions``: each group's queue partition (single-turn groups only)."""
         self._watch_replicas()
-        async for report in self.runner.run_groups(groups):
+        if partitions and not isinstance(self.runner, GroupRunner):
+            raise ConfigError("run.controller=multi: single-turn groups only (no agentic section)")
+        stream = self.runner.run_groups(groups, partitions) if partitions else self.runner.run_groups(groups)
+        async for report in stream:
             yield report
 
     def abort_groups(self, group_ids: Sequence[int], reason: str) -> None:

@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from sluice.api import Algorithm, MicroBatch, QueueClient, Sample, TrainEngine, WeightSync
+from sluice.api import Algorithm, Batch, MicroBatch, QueueClient, Sample, Shard, TrainEngine, WeightSync
 from sluice.config import TrainerConfig
 from sluice.config.resources import TrainerResources
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.strategies import GatheredWeights, full_tensor
 from sluice.queue.samples import group_rows, rows_to_samples, train_columns
+from sluice.queue.shards import balance_shards
 from sluice.telemetry.samples import SampleSummary, summarize_samples
 from sluice.telemetry.trace import SpanRecorder
 from sluice.trainer.algorithm import GRPOAlgorithm
@@ -149,17 +150,10 @@ class TrainerWorker:
         start = time.perf_counter()
         with self.tracer.span("wait_data", lane="trainer", groups=len(group_ids)):
             rows = [i for gid in group_ids for i in group_rows(gid, self.group_size)]
-            columns = train_columns(self.algorithm.uses_reference) + ((VALUES_COLUMN,) if self.critic else ())
-            columns += (self.reward_column,) if self.reward_column else ()
-            batch = self.queue.get(TRAIN_TASK, columns, len(rows), indices=rows, min_size=len(rows))
+            batch = self.queue.get(TRAIN_TASK, self._columns(), len(rows), indices=rows, min_size=len(rows))
         self._timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
-        in_order = sorted(range(len(batch)), key=lambda k: batch.indices[k])  # rows_to_samples' order
-        values = [list(batch.columns[VALUES_COLUMN][k]) for k in in_order] if self.critic else [[]] * len(batch)
-        samples = rows_to_samples(batch)
-        if self.reward_column:  # the DAG's reward for the advantages, in place of the rollout's
-            rewards = [float(batch.columns[self.reward_column][k]) for k in in_order]
-            samples = [dataclasses.replace(s, reward=r) for s, r in zip(samples, rewards, strict=True)]
+        samples, values = self._samples_of(batch)
         paired = sorted(zip(samples, values, strict=True), key=lambda p: position[p[0].group_id])
         samples = [s for s, _ in paired]
         if self.holds_step:
@@ -172,6 +166,45 @@ class TrainerWorker:
         prox = proximal_logprobs(self.engine, samples, self.schedule, self.temperature)
         for mb in self._step.add(samples, self.algorithm.advantages(samples), prox):
             self._accumulate(mb)
+
+    def train_partition(self, step: int, rows: int, timeout: float | None = None) -> dict[str, float]:
+        """A multi-controller step (``run.controller: multi``): read this rank's shard of queue
+        partition ``step`` (``rows`` rows in all; the queue splits them over the data-parallel
+        ranks by tokens, DistFlow's redistribution), then train the whole step as held samples
+        (a group may straddle ranks: its advantages come from every rank's rows) and publish."""
+        self.begin_step()
+        rank, size = (self.dp.rank, self.dp.world_size) if self.dp is not None else (0, 1)
+        start = time.perf_counter()
+        with self.tracer.span("wait_data", lane="trainer", step=step):
+            batch = self.queue.get(
+                TRAIN_TASK, self._columns(), rows, partition=step, shard=Shard(rank, size), timeout=timeout
+            )
+        self._timing["wait_data_s"] += time.perf_counter() - start
+        owed = len(balance_shards([1] * rows, size)[rank])
+        if len(batch) != owed:
+            raise TimeoutError(f"trainer rank {rank}: {len(batch)} of step {step}'s {owed} rows within {timeout} s")
+        samples, values = self._samples_of(batch)
+        order = sorted(range(len(samples)), key=lambda k: (samples[k].group_id, samples[k].uid))
+        self._held = [samples[k] for k in order]
+        self._values = [values[k] for k in order]
+        self._positions = [samples[k].group_id for k in order]  # every rank's common step order
+        held, self._held = self._held, []
+        return self._train_held(held)
+
+    def _columns(self) -> tuple[str, ...]:
+        columns = train_columns(self.algorithm.uses_reference) + ((VALUES_COLUMN,) if self.critic else ())
+        return columns + ((self.reward_column,) if self.reward_column else ())
+
+    def _samples_of(self, batch: Batch) -> tuple[list[Sample], list[list[float]]]:
+        """The batch's samples in row order, with the DAG's reward column in place of the
+        rollout's (if any), and their critic values (empty without a critic)."""
+        in_order = sorted(range(len(batch)), key=lambda k: batch.indices[k])  # rows_to_samples' order
+        values = [list(batch.columns[VALUES_COLUMN][k]) for k in in_order] if self.critic else [[]] * len(batch)
+        samples = rows_to_samples(batch)
+        if self.reward_column:  # the DAG's reward for the advantages, in place of the rollout's
+            rewards = [float(batch.columns[self.reward_column][k]) for k in in_order]
+            samples = [dataclasses.replace(s, reward=r) for s, r in zip(samples, rewards, strict=True)]
+        return samples, values
 
     def finish_step(self) -> dict[str, float]:
         """Flush, scale by the step-wide normaliser, optimizer step, publish version ``v + 1``."""

@@ -1,0 +1,247 @@
+"""The multi-controller placement of a run (``run.controller: multi``, DistFlow): workers run their own loops.
+
+``resources.rollout.workers`` rollout workers (``dag/shard_rollout.py``) each load their own
+shard of the prompts (``dag/loader.py``, from the run's prompt file: the driver passes a path,
+never rows), take admission credits from the run's ``StepGate`` actor (``step_gate.py``: a
+small call carrying no sample bytes), and write each group into its step's queue partition. Each
+trainer rank reads its own shard of step ``v``'s partition through the queue's token-balanced
+redistribution (``TrainerWorker.train_partition``), whatever the number of rollout workers. The
+driver only bumps versions, syncs weights and logs:
+
+    train step v (every rank reads its shard of partition v) → v + 1 → every engine loads v + 1
+      (in the background under η; before the next step in ``sync``) → the gate opens v + 1's slots
+
+The staleness rule, the fates and the ledger are the single controller's (the gate keeps a
+``GroupLedger``). Not here: choosing groups for a step (a group's step is fixed by its credit),
+redundant prompts, agentic episodes, checkpoints (each refused by the config with one line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from sluice.api import GroupReport
+from sluice.controller.failures import FailureBudget, RunStopped
+from sluice.controller.ledger import GroupLedger
+from sluice.controller.loop import StepCallback
+from sluice.controller.pipelines import PipelineSpec, wait_engine_version
+from sluice.controller.ray_pipeline import RayPipeline, _runtime
+from sluice.controller.ray_supervision import HEALTH, death_detail, supervised
+from sluice.controller.staleness import StalenessGate
+from sluice.controller.step_gate import StepGate
+from sluice.controller.supervision import Heartbeat
+from sluice.dag.loader import PromptFile
+from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
+from sluice.data import PromptStream
+
+STOP_TIMEOUT_S = 60.0
+"""How long a failing run waits for its rollout workers to stop before it reports the failure."""
+
+
+class MultiRayPipeline(RayPipeline):
+    """``RayPipeline``'s workers with ``resources.rollout.workers`` shard rollout workers and the
+    step gate; the driver never moves a prompt or a row."""
+
+    rollout_class = ShardRolloutWorker
+    rollout_restarts_allowed = 0  # a restarted worker would have lost its loop: the run stops, named
+
+    def __init__(self, spec: PipelineSpec, prompts: PromptStream, source: PromptFile, address: str | None = None):
+        import ray
+
+        super().__init__(spec, prompts, address)
+        cfg = spec.config
+        self.source = source
+        self.rows_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        kwargs = _rollout_kwargs_of(self)
+        runtime = _runtime(spec.rollout_threads, self.oversubscribed)
+        options = {"num_cpus": self.actor_share, "max_restarts": 0, **runtime}
+        extra_cls: Any = supervised(ShardRolloutWorker).options(**options)
+        self.rollout_actors = [self.rollout_actor] + [
+            extra_cls.remote(**{**kwargs, "name": f"rollout{r}"}) for r in range(1, 1 + self.extra_rollouts)
+        ]
+        self._actor_names = {a._actor_id.hex(): name for name, a in self._named_actors()}
+        gate_cls: Any = ray.remote(StepGate).options(num_cpus=0, max_concurrency=64)
+        failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
+        self.gate = gate_cls.remote(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.run.steps, failures)
+        self.shards: list[Any] = []
+        """The rollout workers' ``run_shard`` calls (each returns its shard's cursor at the end)."""
+
+    def start_shards(self) -> None:
+        """Every rollout worker starts its own admission loop over its prompt shard."""
+        cfg, size = self.spec.config, len(self.rollout_actors)
+        per_call = max(1, cfg.rollout.prompts_per_step // size)
+        credits = RemoteCredits(self.gate)
+        self.shards = [
+            actor.run_shard.remote(
+                credits, self.source, rank, size, seed=cfg.run.seed, rows_per_step=self.rows_per_step, per_call=per_call
+            )
+            for rank, actor in enumerate(self.rollout_actors)
+        ]
+
+    async def train_step(self, step: int) -> dict[str, float]:
+        """Every trainer rank trains its shard of partition ``step`` (rank 0 reports); a rollout
+        loop that ends meanwhile (it failed) ends the step with its error."""
+        timeout = self.spec.config.run.stall_timeout_s
+        ranks = [a.train_partition.remote(step, self.rows_per_step, timeout) for a in self.trainer_actors]
+        training = asyncio.ensure_future(asyncio.gather(*ranks))
+        loops = [asyncio.ensure_future(_awaited(ref)) for ref in [*self.shards, *self._served]]
+        try:
+            await asyncio.wait([training, *loops], return_when=asyncio.FIRST_COMPLETED)
+            ended = next((task for task in loops if task.done()), None)
+            if ended is not None and not training.done():
+                _raise_cause(ended)  # its error; a failure budget's stop as its one line
+                raise RuntimeError("a rollout or queue-task worker stopped while the trainer waited for its rows")
+            results = await training
+        finally:
+            for task in loops:
+                task.cancel()
+        return dict(results[0])
+
+    async def step_reports(self, step: int) -> list[GroupReport]:
+        return await self.gate.step_reports.remote(step)  # type: ignore[no-any-return]
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        """Every rollout worker loads ``version``; then the gate grants slots under it."""
+        sync, mode = self.engine_weight_sync, self.spec.config.rollout.weight_update
+        loads = await asyncio.gather(*(a.load_version.remote(sync, version, mode) for a in self.rollout_actors))
+        await asyncio.gather(*(wait_engine_version(a.engine_stats.remote, version) for a in self.rollout_actors))
+        self.engine_version = max(self.engine_version, version)
+        await self.gate.advance.remote(version)
+        return {k: max(m.get(k, 0.0) for m in loads) for k in ("weight_fetch_s", "weight_load_s")}
+
+    async def stop_shards(self) -> GroupLedger:
+        """No more credits; groups still generating are aborted (``run_end``); the run's books."""
+        await self.gate.close.remote()
+        await asyncio.gather(*(a.stop_shard.remote() for a in self.rollout_actors))
+        cursors = await asyncio.gather(*(_awaited(ref) for ref in self.shards), return_exceptions=True)
+        self.cursors = [c for c in cursors if isinstance(c, dict)]
+        return await self.gate.books.remote()  # type: ignore[no-any-return]
+
+    async def trace_events(self) -> list[dict[str, Any]]:
+        parts = await asyncio.gather(*(a.drain_trace.remote() for a in [*self.rollout_actors, *self.trainer_actors]))
+        return [e for part in parts for e in part]
+
+    async def engine_stats(self) -> dict[str, float]:
+        """Every rollout worker's counters added; medians and means averaged; ``version``: the
+        oldest any holds."""
+        parts = await asyncio.gather(*(a.engine_stats.remote() for a in self.rollout_actors))
+        keys = {k for p in parts for k in p}
+        total = {k: sum(p.get(k, 0.0) for p in parts) for k in keys}
+        averaged = {k: total[k] / len(parts) for k in keys if k.endswith(("median", "mean"))}
+        return {**total, **averaged, "version": min(p["version"] for p in parts)}
+
+    async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
+        """As ``RayPipeline``'s, and every rollout worker must hold the first one's weights."""
+        trainer, engine = await super().fingerprints()
+        others = await asyncio.gather(*(a.weights_fingerprint.remote() for a in self.rollout_actors[1:]))
+        if any(o != engine for o in others):
+            raise RuntimeError(f"rollout workers hold different weights: (version, checksum) {[engine, *others]}")
+        return trainer, engine
+
+    def heartbeats(self) -> list[Heartbeat]:
+        """Every worker actor; none is replaced (a lost rollout worker ends the run, named)."""
+        from ray.exceptions import ActorDiedError
+
+        def dead(err: BaseException) -> str | None:
+            return death_detail(err) if isinstance(err, ActorDiedError) else None
+
+        def ping(actor: Any) -> Any:
+            return lambda: actor.heartbeat.options(concurrency_group=HEALTH).remote()
+
+        return [Heartbeat(name, ping(actor), dead, None) for name, actor in self._named_actors()]
+
+    def _named_actors(self) -> list[tuple[str, Any]]:
+        named = super()._named_actors()
+        extra = getattr(self, "rollout_actors", [None])[1:]  # none yet while ``RayPipeline`` builds
+        return named + [(f"rollout worker {r}", a) for r, a in enumerate(extra, start=1)]
+
+    def close(self) -> None:
+        import ray
+
+        for handle in (*self.rollout_actors[1:], self.gate):
+            ray.kill(handle)
+        super().close()
+
+
+class MultiController:
+    """The driver's loop of a multi-controller run: train, bump the version, sync, log."""
+
+    def __init__(
+        self,
+        pipeline: MultiRayPipeline,
+        groups_per_step: int,
+        max_staleness: int,
+        *,
+        barrier: bool,
+    ) -> None:
+        self.pipeline = pipeline
+        self.barrier = barrier
+        self.version = pipeline.engine_version
+        self.ledger = GroupLedger(StalenessGate(groups_per_step, max_staleness))
+        """The run's books: the gate's, fetched when the loop ends (empty until then)."""
+        self.reports: dict[int, GroupReport] = {}
+        """The reports of the step being logged (``step_stats`` reads them)."""
+        self.sync_metrics: dict[str, float] = {}
+        self._sync: asyncio.Task[None] | None = None
+
+    async def run(self, steps: int, after_step: StepCallback) -> None:
+        self.pipeline.start_shards()
+        try:
+            while self.version < steps:
+                metrics = await self.pipeline.train_step(self.version)  # every rank, its own shard
+                reports = await self.pipeline.step_reports(self.version)
+                self.version += 1
+                await self._await_sync()  # one weight sync in flight at a time
+                self._sync = asyncio.create_task(self._sync_weights(self.version))
+                if self.barrier:  # sync: the engines hold v + 1 before anything else happens
+                    await self._await_sync()
+                self.reports = {r.group_id: r for r in reports}
+                if not await after_step(self.version, list(self.reports), metrics):
+                    break
+            await self._await_sync()
+        except BaseException:
+            if self._sync is not None:
+                self._sync.cancel()
+            with contextlib.suppress(Exception):  # the books so far, if the workers still answer
+                self.ledger = await asyncio.wait_for(self.pipeline.stop_shards(), STOP_TIMEOUT_S)
+            raise
+        self.ledger = await self.pipeline.stop_shards()
+
+    async def _sync_weights(self, version: int) -> None:
+        started = time.monotonic()
+        metrics = await self.pipeline.sync_weights(version)
+        took = time.monotonic() - started
+        stalled = metrics.get("weight_fetch_s", 0.0) + metrics.get("weight_load_s", 0.0)
+        self.sync_metrics = {**metrics, "weight_sync_s": took, "exposed_weight_sync_s": stalled}
+
+    async def _await_sync(self) -> None:
+        if self._sync is not None:
+            await self._sync
+            self._sync = None
+
+    def progress(self) -> tuple[int, int]:
+        return self.version, 0
+
+
+def _rollout_kwargs_of(pipeline: RayPipeline) -> dict[str, Any]:
+    from sluice.controller.pipelines import rollout_kwargs
+
+    return rollout_kwargs(pipeline.spec, pipeline.queue.as_async(), pipeline.placement.replica_options())
+
+
+def _raise_cause(ended: asyncio.Future[Any]) -> None:
+    from ray.exceptions import RayTaskError
+
+    try:
+        ended.result()
+    except RayTaskError as err:
+        if isinstance(err.cause, RunStopped):
+            raise err.cause from None
+        raise
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
