@@ -68,6 +68,7 @@ def test_two_rollout_workers_feed_one_trainer_and_every_sample_trains_once(tiny_
     _check_books(records, trained, workers=2)
     cpu = _one(records, "cpu")
     assert cpu["cpu_ShardRolloutWorker"] > 0 and cpu["cpu_StepGate"] >= 0
+    assert _one(records, "driver")["sample_bytes"] == 0  # no prompt, no row passed the driver
 
 
 @pytest.mark.scale

@@ -106,6 +106,9 @@ class RayPipeline(_Pipeline):
             node_ip = ray.get(self.trainer_actor.node_ip.remote())  # Ray's address of rank 0's node
             meet = ray.get(self.trainer_actor.rendezvous_address.remote(node_ip))
             ray.get([a.join_data_parallel.remote(meet, r, spec.ranks) for r, a in enumerate(self.trainer_actors)])
+        self.driver_sample_bytes = 0
+        """Bytes of sample data (prompts, generations) the driver sent or received while training,
+        as Ray pickles them (evaluation apart): the single controller sends every prompt."""
         self._group_tokens: dict[int, int] = {}
         self._rank_tokens: list[int] = []
         self._step_groups = 0
@@ -124,6 +127,7 @@ class RayPipeline(_Pipeline):
         """The rollout worker's reports; if it dies, ``WorkerLost`` with the groups it did not report."""
         from ray.exceptions import RayActorError
 
+        self.driver_sample_bytes += pickled_size(list(groups))
         stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
         prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
         try:
@@ -248,7 +252,9 @@ class RayPipeline(_Pipeline):
         return await self.trainer_actor.trained_ids.remote()  # rank 0 holds every rank's
 
     async def trained_samples(self, count: int) -> list[SampleSummary]:
-        return await self.trainer_actor.trained_samples.remote(count)  # a few, as token ids
+        samples = await self.trainer_actor.trained_samples.remote(count)  # a few, as token ids
+        self.driver_sample_bytes += pickled_size(samples)
+        return samples  # type: ignore[no-any-return]
 
     async def save_state(self, path: str) -> None:
         await asyncio.gather(*(a.save_state.remote(path) for a in self.trainer_actors))  # fsdp2: a shard each
@@ -315,6 +321,13 @@ class RayPipeline(_Pipeline):
         for sync in (self.weight_sync, self.critic_sync):  # their registry actors, and the weights
             if isinstance(sync, ObjectStoreWeightSync):
                 sync.shutdown()
+
+
+def pickled_size(value: Any) -> int:
+    """Bytes of ``value`` as Ray sends it by value (pickle protocol 5)."""
+    import pickle
+
+    return len(pickle.dumps(value, protocol=5))
 
 
 async def _awaited(ref: Any) -> Any:

@@ -152,6 +152,8 @@ async def run_training(
             write_chrome_trace(run.run_dir / "trace.json", [before if resumed is None else [], loop, after])
             run.metrics.log("trace", **trace_numbers(loop))
         run.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
+        if isinstance(pipeline, RayPipeline):  # sample data that passed through the driver
+            run.metrics.log("driver", sample_bytes=float(pipeline.driver_sample_bytes))
         if isinstance(pipeline, MultiRayPipeline):  # where each worker's prompt shard stands
             cursors = {f"shard{c['rank']}_{k}": float(c[k]) for c in pipeline.cursors for k in ("epoch", "position")}
             run.metrics.log("shards", **cursors)
