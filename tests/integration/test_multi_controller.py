@@ -3,7 +3,8 @@ groups from their own prompt shards, trainer ranks read their own shards of each
 
 Every admitted sample is trained exactly once or discarded by a named filter, no trained group is
 more than η versions stale, and each trainer rank gets its rows of the step exactly once, whatever
-the rollout workers' and ranks' counts (2 → 1 here; 4 → 1 and 2 → 3 in ``make test-scale``).
+the rollout workers' and ranks' counts (2 → 1 here; 4 → 1 and 2 → 3 in ``make test-scale``); a
+SIGKILLed run resumes losslessly (``make test-faults``).
 """
 
 import json
@@ -64,8 +65,8 @@ def _check_books(records, trained, workers, steps=3, groups=4, size=4, eta=1):
 
 
 def test_two_rollout_workers_feed_one_trainer_and_every_sample_trains_once(tiny_task_model, tmp_path, ray_cluster):
-    records, trained = _fit(tiny_task_model, tmp_path, "multi2", "resources.rollout.workers=2")
-    _check_books(records, trained, workers=2)
+    records, trained = _fit(tiny_task_model, tmp_path, "multi2", "resources.rollout.workers=2", "run.steps=2")
+    _check_books(records, trained, workers=2, steps=2)
     cpu = _one(records, "cpu")
     assert cpu["cpu_ShardRolloutWorker"] > 0 and cpu["cpu_StepGate"] >= 0
     assert _one(records, "driver")["sample_bytes"] == 0  # no prompt, no row passed the driver
@@ -87,3 +88,53 @@ def test_two_rollout_workers_feed_three_trainer_ranks_each_its_rows_once(tiny_ta
         "trainer.strategy=ddp",
     )  # fmt: skip
     _check_books(records, trained, workers=2)
+
+
+@pytest.mark.faults
+def test_sigkill_then_resume_trains_every_admitted_sample_once(tiny_task_model, tmp_path, ray_cluster):
+    """Two rollout workers at η = 1: the driver's process group is SIGKILLed mid-run after the
+    step-2 checkpoint; ``resume=auto`` finishes the run. Every step trains B whole groups, every
+    sample once; the groups generating at the cut were restarted (counted), and the shards'
+    cursors account for every admitted group: no prompt skipped, none taken twice."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    from test_resume import _run, _steps_logged, _wait_for, trained_ids
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    steps = 8
+    run = _run(tiny_task_model, tmp_path, "killed", "run.controller=multi", "resources.rollout.workers=2")
+    run += ["run.backend=ray", f"run.ray_address={address}", "rollout.max_staleness=1", f"run.steps={steps}"]
+    run += ["run.checkpoint_every=2", "run.keep_checkpoints=1", "run.eval_every=0"]
+    run_dir = tmp_path / "killed"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "train", *run],
+        start_new_session=True,  # its own process group: the kill takes every process it started
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        kill_after = random.randint(2, 4)
+        _wait_for(lambda: (run_dir / "checkpoints" / "step_000002" / "COMPLETE").is_file() or driver.poll() is not None,
+                  "the step-2 checkpoint")  # fmt: skip
+        _wait_for(lambda: _steps_logged(run_dir) >= kill_after or driver.poll() is not None, f"step {kill_after}")
+        assert driver.poll() is None, f"the run ended before the kill: {driver.stderr.read().decode()[-2000:]}"
+        os.killpg(driver.pid, signal.SIGKILL)
+    finally:
+        driver.kill()
+        driver.wait()
+    assert 2 <= len(trained_ids(run_dir)[1]) < steps
+    RLTrainer(load_config(None, [*run, "run.resume=auto"])).fit()
+    ids, logged = trained_ids(run_dir)
+    assert logged == list(range(1, steps + 1))
+    assert set(ids.values()) == {1} and len(ids) == steps * 4 * 4  # each sample once, every step whole
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    fates, shards = _one(records, "fates"), _one(records, "shards")
+    assert fates["groups_trained"] == steps * 4
+    assert shards["shard0_position"] + shards["shard1_position"] == fates["groups_trained"] + fates.get(
+        "groups_discarded", 0
+    )
+    assert all(r["staleness_max"] <= 1 for r in records if r["kind"] == "train")

@@ -144,6 +144,28 @@ def test_queue_keeps_exactly_the_untrained_written_groups():
     assert fresh.stats()["rows"] == 4
 
 
+def test_kept_rows_of_a_step_partition_come_back_whole_and_shard_again():
+    """A multi-controller run's rows carry their step's partition: the restored queue knows the
+    partition's size and rows' tokens, so each trainer rank's shard read of it works again."""
+    from sluice.api import Partition, Shard
+
+    queue = LocalQueue()
+    queue.register_task("train", ["uid"])
+    for gid, tokens in ((0, 5), (1, 9)):  # step 3's two groups of two rows; group 2 is step 4's
+        rows = [2 * gid, 2 * gid + 1]
+        meta = [RowMeta(i, gid, 0, tokens, 2) for i in rows]
+        queue.put(rows, {"uid": [f"{i}" for i in rows]}, meta, partition=Partition(3, 4))
+    queue.put([4, 5], {"uid": ["4", "5"]}, [RowMeta(i, 2, 0, 1, 2) for i in (4, 5)], partition=Partition(4, 4))
+    fresh = LocalQueue()
+    fresh.register_task("train", ["uid"])
+    fresh.restore(groups_snapshot(queue.snapshot(), {0, 1, 2}))
+    shards = [fresh.get("train", ["uid"], 4, partition=3, shard=Shard(r, 2), timeout=0).indices for r in (0, 1)]
+    assert sorted(i for s in shards for i in s) == [0, 1, 2, 3] and all(len(s) == 2 for s in shards)
+    assert {frozenset(s) for s in shards} == {frozenset({0, 2}), frozenset({1, 3})}  # one 9-token row each
+    whole = fresh.get("train", ["uid"], 4, partition=4, shard=Shard(0, 1), timeout=0)
+    assert whole.indices == ()  # 2 of its 4 rows: the split waits for the rest
+
+
 def test_controller_cut_then_resume_trains_every_admitted_group_exactly_once():
     """η = 2: the fourth step must take groups 12-15 (version 1) and waits for slow group 15,
     while groups 16-23 (admitted at versions 2 and 3) run: 18 and 19 are still generating at the

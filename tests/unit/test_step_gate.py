@@ -95,3 +95,18 @@ def test_a_reward_over_the_failure_budget_stops_admission():
         for c in credits:
             gate.report(_report(c, reason="reward_failed", failed_by="reward 'broken'"))
     assert gate.acquire(1, timeout=1) == []
+
+
+def test_a_trained_step_waits_for_its_last_reports():
+    """Rows reach the queue before their group's report reaches the gate: the trainer may finish a
+    step first, and the step's books wait for the report instead of failing."""
+    import threading
+
+    gate = _gate(b=2, eta=0)
+    a, b = gate.acquire(2, timeout=0)
+    gate.report(_report(a))
+    late = threading.Timer(0.2, gate.report, args=(_report(b),))
+    late.start()
+    assert [r.group_id for r in gate.step_reports(0, timeout=30)] == [a.group_id, b.group_id]
+    with pytest.raises(RuntimeError, match="step 1 trained with 0 groups"):
+        gate.step_reports(1, timeout=0)

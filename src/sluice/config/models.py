@@ -138,8 +138,8 @@ class RunConfig(_Section):
     (DistFlow's multi-controller): each of ``resources.rollout.workers`` rollout workers loads
     its own shard of the prompts and takes admission credits from the staleness gate, each
     trainer rank reads its own token-balanced shard of the step from the queue, and the driver
-    only bumps versions, syncs weights and logs (``run.backend: ray``; single-turn tasks; no
-    redundant prompts, no checkpoints yet)."""
+    only bumps versions, syncs weights, logs and checkpoints (``run.backend: ray``; single-turn
+    tasks; no redundant prompts)."""
 
     dag: str | None = None
     """The algorithm's data flow as a DAG file (docs/dag.md): a built-in name (``grpo``, ``grpo_kl``,

@@ -35,8 +35,8 @@ def sync_is_eta_zero(data: Any) -> Any:
 
 
 def check_controller(config: Any) -> None:
-    """``run.controller: multi`` (a ``SluiceConfig``) runs on Ray, without redundant prompts or
-    checkpoints; several rollout workers need it. One ``ValueError`` naming the field."""
+    """``run.controller: multi`` (a ``SluiceConfig``) runs single-turn tasks on Ray, without
+    redundant prompts; several rollout workers need it. One ``ValueError`` naming the field."""
     run, workers = config.run, config.resources.rollout.workers
     if run.controller == "single":
         if workers > 1:
@@ -45,8 +45,6 @@ def check_controller(config: Any) -> None:
     refused = {
         "run.backend": run.backend != "ray",
         "rollout.redundant_groups": config.rollout.redundant_groups > 0,
-        "run.checkpoint_every": run.checkpoint_every > 0,
-        "run.resume": run.resume is not None,
         "agentic.env": config.agentic.env is not None or config.agentic.agent is not None,
         "rollout.forced_lag": config.rollout.forced_lag,
     }

@@ -13,7 +13,8 @@ driver only bumps versions, syncs weights and logs:
 
 The staleness rule, the fates and the ledger are the single controller's (the gate keeps a
 ``GroupLedger``). Not here: choosing groups for a step (a group's step is fixed by its credit),
-redundant prompts, agentic episodes, checkpoints (each refused by the config with one line).
+redundant prompts, agentic episodes (each refused by the config with one line). A checkpoint is
+the gate's cut, each shard's cursor at it and the prompts of the groups still generating.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ import contextlib
 import time
 from typing import Any
 
-from sluice.api import GroupReport
+from sluice.api import Credit, GroupReport
+from sluice.config import ConfigError
 from sluice.controller.failures import FailureBudget, RunStopped
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import StepCallback
 from sluice.controller.pipelines import PipelineSpec, wait_engine_version
 from sluice.controller.ray_pipeline import RayPipeline, _runtime
 from sluice.controller.ray_supervision import HEALTH, death_detail, supervised
+from sluice.controller.resume import AsyncCut
 from sluice.controller.staleness import StalenessGate
-from sluice.controller.step_gate import StepGate
+from sluice.controller.step_gate import GateCut, StepGate
 from sluice.controller.supervision import Heartbeat
 from sluice.dag.loader import PromptFile
 from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
@@ -69,17 +72,46 @@ class MultiRayPipeline(RayPipeline):
         self.shards: list[Any] = []
         """The rollout workers' ``run_shard`` calls (each returns its shard's cursor at the end)."""
 
-    def start_shards(self) -> None:
-        """Every rollout worker starts its own admission loop over its prompt shard."""
+    def start_shards(self, resumed: AsyncCut | None = None) -> None:
+        """Every rollout worker starts its own admission loop over its prompt shard; a resumed
+        run's workers start at the cut's cursors, dealt the groups it had generating."""
         cfg, size = self.spec.config, len(self.rollout_actors)
         per_call = max(1, cfg.rollout.prompts_per_step // size)
         credits = RemoteCredits(self.gate)
+        cursors: list[dict[str, int] | None] = list(resumed.shards) if resumed else [None] * size
+        if len(cursors) != size:
+            raise ConfigError(f"resources.rollout.workers: the checkpoint has {len(cursors)} prompt shards, not {size}")
+        again = [(item, Credit(gid, resumed.steps[gid], 0)) for item, gid in resumed.regenerate] if resumed else []
         self.shards = [
             actor.run_shard.remote(
-                credits, self.source, rank, size, seed=cfg.run.seed, rows_per_step=self.rows_per_step, per_call=per_call
+                credits, self.source, rank, size, seed=cfg.run.seed, rows_per_step=self.rows_per_step,
+                per_call=per_call, cursor=cursors[rank], regenerate=again[rank::size],
             )
             for rank, actor in enumerate(self.rollout_actors)
-        ]
+        ]  # fmt: skip
+
+    async def cut(self, trained_steps: int) -> AsyncCut:
+        """The books at a step boundary: the gate's (one consistent cut), every shard's cursor at
+        it and the prompts of the groups still generating (restarted on resume)."""
+        gate: GateCut = await self.gate.cut.remote()
+        pending = sorted(gate.pending)
+        parts = await asyncio.gather(
+            *(a.checkpoint_cut.remote(gate.next_group, trained_steps, pending) for a in self.rollout_actors)
+        )
+        prompts = {gid: item for _, found in parts for gid, item in found.items()}
+        reports = {r.group_id: r for filled in gate.filled.values() for r in filled}
+        steps = {r.group_id: step for step, filled in gate.filled.items() for r in filled} | gate.pending
+        regenerate = [(prompts[gid], gid) for gid in pending]
+        return AsyncCut(gate.next_group, gate.ledger, reports, regenerate, steps=steps, shards=[c for c, _ in parts])
+
+    async def restore_gate(self, cut: AsyncCut, version: int) -> None:
+        """The gate continues from ``cut`` (taken after step ``version``)."""
+        filled: dict[int, list[GroupReport]] = {}
+        for gid, report in sorted(cut.reports.items()):
+            filled.setdefault(cut.steps[gid], []).append(report)
+        pending = {gid: cut.steps[gid] for _, gid in cut.regenerate}
+        gate = GateCut(cut.ledger, cut.next_group, version, filled, pending)
+        await self.gate.restore.remote(gate, self.engine_version)
 
     async def train_step(self, step: int) -> dict[str, float]:
         """Every trainer rank trains its shard of partition ``step`` (rank 0 reports); a rollout
@@ -101,7 +133,8 @@ class MultiRayPipeline(RayPipeline):
         return dict(results[0])
 
     async def step_reports(self, step: int) -> list[GroupReport]:
-        return await self.gate.step_reports.remote(step)  # type: ignore[no-any-return]
+        timeout = self.spec.config.run.stall_timeout_s
+        return await self.gate.step_reports.remote(step, timeout)  # type: ignore[no-any-return]
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         """Every rollout worker loads ``version``; then the gate grants slots under it."""
@@ -186,9 +219,18 @@ class MultiController:
         """The reports of the step being logged (``step_stats`` reads them)."""
         self.sync_metrics: dict[str, float] = {}
         self._sync: asyncio.Task[None] | None = None
+        self._resumed: AsyncCut | None = None
+
+    async def resume(self, cut: AsyncCut, version: int) -> None:
+        """Continue a checkpointed run from ``cut``, taken after step ``version``."""
+        await self.pipeline.restore_gate(cut, version)
+        self.version, self._resumed = version, cut
+
+    async def cut(self) -> AsyncCut:
+        return await self.pipeline.cut(self.version)
 
     async def run(self, steps: int, after_step: StepCallback) -> None:
-        self.pipeline.start_shards()
+        self.pipeline.start_shards(self._resumed)
         try:
             while self.version < steps:
                 metrics = await self.pipeline.train_step(self.version)  # every rank, its own shard

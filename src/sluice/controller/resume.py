@@ -77,6 +77,10 @@ class AsyncCut:
     """Groups still generating: restarted on resume."""
     queue: dict[str, Any] = field(default_factory=dict)
     """The queue's state of the written, untrained groups' rows (``queue/snapshot.py``)."""
+    steps: dict[int, int] = field(default_factory=dict)
+    """``run.controller: multi``: the step (queue partition) of every untrained group, by id."""
+    shards: list[dict[str, int]] = field(default_factory=list)
+    """``run.controller: multi``: each rollout worker's prompt-shard cursor at the cut."""
 
 
 @dataclass
@@ -152,17 +156,14 @@ def read_driver_state(path: Path) -> DriverState:
     return state
 
 
-async def save_checkpoint(
-    run: TrainingRun, controller: Controller, pipeline: CheckpointedPipeline, version: int
-) -> Path:
-    """Between steps: the cut first (synchronous, so consistent), then the trainer's state and
-    the queue, while generation goes on."""
-    cut = capture_cut(controller)
+async def save_checkpoint(run: TrainingRun, cut: AsyncCut, pipeline: CheckpointedPipeline, version: int) -> Path:
+    """Between steps: the books' ``cut`` first (``capture_cut``, or a multi-controller run's
+    gate and shards), then the trainer's state and the queue's rows of the cut's written groups,
+    while generation goes on."""
     state = _driver_state(run, version, cut)
     tmp = run.checkpoints.begin(version)
     await pipeline.save_state(str(tmp / TRAINER_DIR))
-    written = {gid for gid, g in cut.ledger.groups.items() if g.state is GroupState.OPEN and g.generated}
-    cut.queue = await pipeline.queue_snapshot(written)
+    cut.queue = await pipeline.queue_snapshot(set(cut.reports))
     write_driver_state(tmp, state, STATE_CLASSES)
     return await asyncio.to_thread(run.checkpoints.commit, tmp, version)
 

@@ -15,13 +15,28 @@ threaded Ray actor; the object itself is plain and tested in-process. It moves n
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 
 from sluice.api import Credit, GroupReport
 from sluice.controller.failures import FailureBudget, RunStopped
 from sluice.controller.ledger import GroupLedger
 from sluice.controller.staleness import StalenessGate
+
+
+@dataclass
+class GateCut:
+    """The gate's books at a step boundary (a checkpoint's): deep copies."""
+
+    ledger: GroupLedger
+    next_group: int
+    trained_steps: int
+    filled: dict[int, list[GroupReport]]
+    """Per untrained step, the reports of the groups written into it."""
+    pending: dict[int, int]
+    """Groups granted and still generating, by id: their step."""
 
 
 class StepGate:
@@ -85,9 +100,12 @@ class StepGate:
                 self.closed = True
                 raise
 
-    def step_reports(self, step: int) -> list[GroupReport]:
-        """Step ``step`` was trained: its groups' reports (in group order), booked as trained."""
+    def step_reports(self, step: int, timeout: float | None = None) -> list[GroupReport]:
+        """Step ``step`` was trained: its groups' reports (in group order), booked as trained. A
+        group's rows reach the queue before its report reaches the gate, so this waits for the
+        last reports (up to ``timeout``)."""
         with self._cond:
+            self._cond.wait_for(lambda: len(self.filled.get(step, ())) >= self.groups_per_step, timeout)
             reports = sorted(self.filled.pop(step, []), key=lambda r: r.group_id)
             if len(reports) != self.groups_per_step:
                 raise RuntimeError(f"step {step} trained with {len(reports)} groups, expected {self.groups_per_step}")
@@ -117,6 +135,27 @@ class StepGate:
                 self.ledger.discarded(gid, reason, 0)
             self.step_of.clear()
             return self.ledger
+
+    def cut(self) -> GateCut:
+        with self._cond:
+            filled = {step: list(reports) for step, reports in self.filled.items() if reports}
+            books = copy.deepcopy(self.ledger)
+            return GateCut(books, self.next_group, self.trained_steps, filled, dict(self.step_of))
+
+    def restore(self, cut: GateCut, version: int) -> None:
+        """Continue from ``cut`` with the engines at ``version``: its generating groups stay
+        granted, for the workers to generate again (counted ``regenerated_restart_groups``)."""
+        with self._cond:
+            self.ledger, self.next_group = copy.deepcopy(cut.ledger), cut.next_group
+            self.trained_steps = cut.trained_steps
+            self.filled = defaultdict(list, {step: list(r) for step, r in cut.filled.items()})
+            self.step_of = dict(cut.pending)
+            self.pending = defaultdict(int)
+            for step in cut.pending.values():
+                self.pending[step] += 1
+            self.ledger.regenerated["restart_groups"] += len(cut.pending)
+            self.version = version
+            self._cond.notify_all()
 
     def counters(self) -> dict[str, float]:
         with self._cond:

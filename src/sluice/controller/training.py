@@ -25,7 +25,14 @@ from sluice.controller.multi import MultiController, MultiRayPipeline
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
 from sluice.controller.preemption import Preemption, RunPreempted
 from sluice.controller.ray_pipeline import RayPipeline
-from sluice.controller.resume import DriverState, restore_checkpoint, resume_controller, save_checkpoint
+from sluice.controller.resume import (
+    AsyncCut,
+    DriverState,
+    capture_cut,
+    restore_checkpoint,
+    resume_controller,
+    save_checkpoint,
+)
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.staleness import StalenessGate
 from sluice.controller.supervision import Watchdog, supervised
@@ -121,23 +128,21 @@ async def run_training(
             if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
                 run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))
             checkpoint = None
-            single = controller if isinstance(controller, Controller) else None  # multi: no checkpoints yet
-            if single is not None and run.checkpoint_due(version):
+            if run.checkpoint_due(version):
                 with watchdog.paused():
-                    checkpoint = await save_checkpoint(run, single, pipeline, version)
+                    checkpoint = await save_checkpoint(run, await _cut(controller), pipeline, version)
             if stop.signal is not None:  # preemption: a checkpoint whatever the period, then stop
-                if single is not None:
-                    with watchdog.paused():
-                        checkpoint = checkpoint or await save_checkpoint(run, single, pipeline, version)
-                else:
-                    log.warning("run.controller=multi writes no checkpoint: stopped at step %d without one", version)
+                with watchdog.paused():
+                    checkpoint = checkpoint or await save_checkpoint(run, await _cut(controller), pipeline, version)
                 preempted.append(RunPreempted(stop.signal, version, checkpoint))
                 return False
             return keep_going
 
         if resumed is not None:  # restart the groups that were generating at the checkpoint
-            assert isinstance(controller, Controller), "the config refuses run.resume with run.controller=multi"
-            resume_controller(controller, resumed)
+            if isinstance(controller, MultiController):
+                await controller.resume(resumed.cut, resumed.version)
+            else:
+                resume_controller(controller, resumed)
         cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
         await _supervised_loop(run, controller, pipeline, watchdog, after_step)
         run.loop_seconds = time.monotonic() - started
@@ -161,6 +166,11 @@ async def run_training(
         return base, final
     finally:
         pipeline.close()
+
+
+async def _cut(controller: Controller | MultiController) -> AsyncCut:
+    """The books at this step boundary: the driver's own, or a multi-controller run's gate and shards."""
+    return await controller.cut() if isinstance(controller, MultiController) else capture_cut(controller)
 
 
 def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:

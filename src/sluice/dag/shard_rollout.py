@@ -11,6 +11,7 @@ between steps, as for any rollout worker. It decides nothing about admission: th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from sluice.api import AdmissionCredits, Credit, GroupReport, Partition, PromptItem
@@ -36,6 +37,9 @@ class ShardRolloutWorker(RolloutWorker):
 
     loader: ShardLoader | None = None
     _running: set[int]
+    _admitted: dict[int, tuple[int, PromptItem, dict[str, int]]]
+    """Each group granted and not yet known trained: its step, prompt, and the cursor after it."""
+    _base_cursor: dict[str, int]
 
     async def run_shard(
         self,
@@ -47,14 +51,30 @@ class ShardRolloutWorker(RolloutWorker):
         seed: int,
         rows_per_step: int,
         per_call: int,
+        cursor: dict[str, int] | None = None,
+        regenerate: Sequence[tuple[PromptItem, Credit]] = (),
     ) -> dict[str, int]:
         """Generate groups for the gate's credits (``RemoteCredits``) until it grants no more;
-        returns this shard's cursor. A failing wave ends the loop with its error (the driver's
-        run stops on it)."""
+        returns this shard's cursor. A resumed run gives the shard's ``cursor`` at the checkpoint
+        and the groups to ``regenerate`` (granted before it, still generating at it). A failing
+        wave ends the loop with its error (the driver's run stops on it)."""
         self.loader = ShardLoader(prompts, rank, size, seed)
-        self._running = set()
+        if cursor is not None:
+            self.loader.restore(cursor)
+        self._running, self._admitted, self._base_cursor = set(), {}, self.loader.cursor()
         waves: set[asyncio.Task[None]] = set()
         failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def start(wave: list[tuple[PromptItem, int]], parts: dict[int, Partition]) -> None:
+            task = asyncio.ensure_future(self._wave(credits, wave, parts))
+            task.add_done_callback(lambda t: _fail_on(t, failed))
+            waves.add(task)
+            task.add_done_callback(waves.discard)
+
+        if regenerate:  # their prompts were taken before the checkpoint's cursor
+            self._admitted.update((c.group_id, (c.step, item, self._base_cursor)) for item, c in regenerate)
+            again = [c for _, c in regenerate]
+            start([(item, c.group_id) for item, c in regenerate], self._partitions(again, rows_per_step))
         while True:
             asking = asyncio.ensure_future(credits.acquire(per_call))
             await asyncio.wait([asking, failed], return_when=asyncio.FIRST_COMPLETED)
@@ -64,15 +84,32 @@ class ShardRolloutWorker(RolloutWorker):
             granted = asking.result()
             if not granted:
                 break
-            items: list[PromptItem] = self.loader.take(len(granted))
-            wave = [(item, c.group_id) for item, c in zip(items, granted, strict=True)]
-            parts = {c.group_id: Partition(c.step, rows_per_step) for c in granted}
-            task = asyncio.ensure_future(self._wave(credits, wave, parts))
-            task.add_done_callback(lambda t: _fail_on(t, failed))
-            waves.add(task)
-            task.add_done_callback(waves.discard)
+            wave = []
+            for credit in granted:  # a prompt each, remembered until the group's step is trained
+                (item,) = self.loader.take(1)
+                self._admitted[credit.group_id] = (credit.step, item, self.loader.cursor())
+                wave.append((item, credit.group_id))
+            start(wave, self._partitions(granted, rows_per_step))
         await asyncio.gather(*waves)
         return self.loader.cursor()
+
+    @staticmethod
+    def _partitions(credits: Sequence[Credit], rows_per_step: int) -> dict[int, Partition]:
+        return {c.group_id: Partition(c.step, rows_per_step) for c in credits}
+
+    def checkpoint_cut(
+        self, next_group: int, trained_steps: int, pending: Sequence[int]
+    ) -> tuple[dict[str, int], dict[int, PromptItem]]:
+        """This shard at a checkpoint's cut of the gate (every group id below ``next_group`` was
+        granted before it): the cursor just after the prompt of its last group granted before the
+        cut (a later one's prompt is taken again on resume), and the prompts of the ``pending``
+        groups it generates. Prompts of groups of steps already trained are forgotten here."""
+        for gid in [g for g, (step, _, _) in self._admitted.items() if step < trained_steps]:
+            self._base_cursor = max(self._base_cursor, self._admitted.pop(gid)[2], key=_place)
+        before = [cursor for gid, (_, _, cursor) in self._admitted.items() if gid < next_group]
+        cursor = max([self._base_cursor, *before], key=_place)
+        prompts = {gid: self._admitted[gid][1] for gid in pending if gid in self._admitted}
+        return cursor, prompts
 
     async def _wave(
         self, credits: AdmissionCredits, wave: list[tuple[PromptItem, int]], parts: dict[int, Partition]
@@ -90,6 +127,10 @@ class ShardRolloutWorker(RolloutWorker):
 
     def shard_cursor(self) -> dict[str, int] | None:
         return self.loader.cursor() if self.loader is not None else None
+
+
+def _place(cursor: dict[str, int]) -> tuple[int, int]:
+    return cursor["epoch"], cursor["position"]
 
 
 def _fail_on(task: asyncio.Task[None], failed: asyncio.Future[None]) -> None:
