@@ -90,6 +90,27 @@ def test_two_rollout_workers_feed_three_trainer_ranks_each_its_rows_once(tiny_ta
     _check_books(records, trained, workers=2)
 
 
+@pytest.mark.scale
+def test_a_reference_node_of_another_size_serves_its_shard_of_every_step(tiny_task_model, tmp_path, ray_cluster):
+    """Two rollout workers, a reference node at parallel 3, one trainer: each reference rank reads
+    its token-balanced shard of each step's partition (16 rows: 6 / 5 / 5), so every row gets its
+    reference log-probs exactly once and the trainer's steps complete."""
+    import yaml
+
+    from sluice.dag.spec import builtin_dag_path
+
+    dag = yaml.safe_load(builtin_dag_path("grpo_kl").read_text())
+    next(n for n in dag["nodes"] if n["id"] == "reference")["parallel"] = 3
+    path = tmp_path / "grpo_kl3.yaml"
+    path.write_text(yaml.safe_dump(dag))
+    records, trained = _fit(
+        tiny_task_model, tmp_path, "ref3", "resources.rollout.workers=2", "trainer.kl_coef=0.05", f"run.dag={path}"
+    )
+    _check_books(records, trained, workers=2)
+    shards = _one(records, "shards")
+    assert sorted(shards[f"node_rows_reference{r}"] for r in range(3)) == [15, 15, 18]  # 3 steps of 5 / 5 / 6
+
+
 @pytest.mark.faults
 def test_sigkill_then_resume_trains_every_admitted_sample_once(tiny_task_model, tmp_path, ray_cluster):
     """Two rollout workers at η = 1: the driver's process group is SIGKILLed mid-run after the

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from sluice.api import Credit, GroupReport
@@ -38,8 +39,11 @@ from sluice.controller.step_gate import GateCut, StepGate
 from sluice.controller.supervision import Heartbeat
 from sluice.dag.loader import PromptFile
 from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
+from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
 
+NODE_STOP_S = 5.0
+"""How long the end of a run waits for the node workers' last step (done by then, unless stopped early)."""
 STOP_TIMEOUT_S = 60.0
 """How long a failing run waits for its rollout workers to stop before it reports the failure."""
 
@@ -69,8 +73,29 @@ class MultiRayPipeline(RayPipeline):
         gate_cls: Any = ray.remote(StepGate).options(num_cpus=0, max_concurrency=64)
         failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
         self.gate = gate_cls.remote(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.run.steps, failures)
+        self.cursors: list[dict[str, int]] = []
+        """Each prompt shard's cursor at the end of the run (``stop_shards``)."""
+        self.node_rows: dict[str, int] = {}
+        """Rows each node worker rank served (``stop_shards``)."""
         self.shards: list[Any] = []
         """The rollout workers' ``run_shard`` calls (each returns its shard's cursor at the end)."""
+
+    @staticmethod
+    def node_actor_count(nodes: Sequence[DagNode]) -> int:
+        """One actor per data-parallel rank of each node."""
+        return sum(node.parallel for node in nodes)
+
+    def _start_node_workers(
+        self, nodes: Sequence[DagNode], node_cls: Any, kwargs: dict[str, Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """``node.parallel`` actors per node after rollout; each serves its shard of every step
+        from ``start_shards`` on."""
+        self.node_ranks = [(node, rank) for node in nodes for rank in range(node.parallel)]
+        return [node_cls.remote(node, self.queue, **kwargs) for node, _ in self.node_ranks], []
+
+    def _named_node_workers(self) -> list[tuple[str, Any]]:
+        ranks = zip(self.node_ranks, self.node_actors, strict=True)
+        return [(f"'{node.id}' task worker {rank}", actor) for (node, rank), actor in ranks]
 
     def start_shards(self, resumed: AsyncCut | None = None) -> None:
         """Every rollout worker starts its own admission loop over its prompt shard; a resumed
@@ -89,6 +114,11 @@ class MultiRayPipeline(RayPipeline):
             )
             for rank, actor in enumerate(self.rollout_actors)
         ]  # fmt: skip
+        first = self.engine_version  # a resumed run's first untrained step
+        self._served = [
+            actor.serve_steps.remote(rank, node.parallel, self.rows_per_step, first, cfg.run.steps)
+            for (node, rank), actor in zip(self.node_ranks, self.node_actors, strict=True)
+        ]
 
     async def cut(self, trained_steps: int) -> AsyncCut:
         """The books at a step boundary: the gate's (one consistent cut), every shard's cursor at
@@ -114,21 +144,25 @@ class MultiRayPipeline(RayPipeline):
         await self.gate.restore.remote(gate, self.engine_version)
 
     async def train_step(self, step: int) -> dict[str, float]:
-        """Every trainer rank trains its shard of partition ``step`` (rank 0 reports); a rollout
-        loop that ends meanwhile (it failed) ends the step with its error."""
+        """Every trainer rank trains its shard of partition ``step`` (rank 0 reports). A worker
+        that fails meanwhile ends the step with its error; a rollout loop must not end at all (a
+        node worker ends normally after the run's last step)."""
         timeout = self.spec.config.run.stall_timeout_s
         ranks = [a.train_partition.remote(step, self.rows_per_step, timeout) for a in self.trainer_actors]
         training = asyncio.ensure_future(asyncio.gather(*ranks))
-        loops = [asyncio.ensure_future(_awaited(ref)) for ref in [*self.shards, *self._served]]
+        rollouts = {asyncio.ensure_future(_awaited(ref)) for ref in self.shards}
+        watched = rollouts | {asyncio.ensure_future(_awaited(ref)) for ref in self._served}
         try:
-            await asyncio.wait([training, *loops], return_when=asyncio.FIRST_COMPLETED)
-            ended = next((task for task in loops if task.done()), None)
-            if ended is not None and not training.done():
-                _raise_cause(ended)  # its error; a failure budget's stop as its one line
-                raise RuntimeError("a rollout or queue-task worker stopped while the trainer waited for its rows")
+            while not training.done():
+                done, _ = await asyncio.wait([training, *watched], return_when=asyncio.FIRST_COMPLETED)
+                for ended in done - {training}:
+                    _raise_cause(ended)  # its error; a failure budget's stop as its one line
+                    if ended in rollouts:
+                        raise RuntimeError("a rollout worker's loop ended while the trainer waited for its rows")
+                    watched.discard(ended)
             results = await training
         finally:
-            for task in loops:
+            for task in watched:
                 task.cancel()
         return dict(results[0])
 
@@ -151,6 +185,14 @@ class MultiRayPipeline(RayPipeline):
         await asyncio.gather(*(a.stop_shard.remote() for a in self.rollout_actors))
         cursors = await asyncio.gather(*(_awaited(ref) for ref in self.shards), return_exceptions=True)
         self.cursors = [c for c in cursors if isinstance(c, dict)]
+        served = [asyncio.ensure_future(_awaited(ref)) for ref in self._served]
+        if served:  # after the last step they are done; a run stopped early leaves them waiting
+            await asyncio.wait(served, timeout=NODE_STOP_S)
+        names = [f"{node.id}{rank}" for node, rank in self.node_ranks]
+        rows = [t.result() if t.done() and t.exception() is None else None for t in served]
+        self.node_rows = {name: n for name, n in zip(names, rows, strict=True) if n is not None}
+        for task in served:
+            task.cancel()
         return await self.gate.books.remote()  # type: ignore[no-any-return]
 
     async def trace_events(self) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ from sluice.controller.ray_supervision import (
 )
 from sluice.controller.supervision import Heartbeat, WorkerDied, WorkerLost
 from sluice.dag.node_worker import NodeTaskWorker
+from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
@@ -70,7 +71,8 @@ class RayPipeline(_Pipeline):
         cluster, nodes = ray.cluster_resources(), placement(spec).node_workers
         self.extra_rollouts = spec.config.resources.rollout.workers - 1
         """Rollout workers beside the first (``resources.rollout.workers``: multi-controller runs)."""
-        plan = plan_placement(spec.config.resources, cluster, len(nodes) + self.extra_rollouts)
+        others = self.node_actor_count(nodes) + self.extra_rollouts
+        plan = plan_placement(spec.config.resources, cluster, others)
         self.placement = RayPlacement(plan)
         # a row is freed once every task read it: a long run's queue holds the rows in flight only
         self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec), free_consumed=True)
@@ -113,15 +115,27 @@ class RayPipeline(_Pipeline):
         self._rank_tokens: list[int] = []
         self._step_groups = 0
         """Groups handed to the ranks this step: the next group's position in the step."""
-        share = actor_cpu_share(cluster.get("CPU", 1.0), 1 + spec.ranks + len(nodes) + self.extra_rollouts)
+        share = actor_cpu_share(cluster.get("CPU", 1.0), 1 + spec.ranks + others)
         self.actor_share, self.oversubscribed = share, over
         node_cls: Any = supervised(NodeTaskWorker).options(num_cpus=share, **_runtime(1, True))
         node_kwargs = node_worker_kwargs(spec, self.critic_sync)
-        self.node_actors = [node_cls.remote(node, self.queue, **node_kwargs) for node in nodes]
-        self._served: list[Any] = [actor.serve.remote() for actor in self.node_actors]
+        self.node_actors, self._served = self._start_node_workers(nodes, node_cls, node_kwargs)
         self._actor_names = {beat_actor._actor_id.hex(): name for name, beat_actor in self._named_actors()}
         """Ray actor id → the worker's name in a one-line death."""
         """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
+
+    @staticmethod
+    def node_actor_count(nodes: Sequence[DagNode]) -> int:
+        """Actors the node workers take: one per node."""
+        return len(nodes)
+
+    def _start_node_workers(
+        self, nodes: Sequence[DagNode], node_cls: Any, kwargs: dict[str, Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """One actor per node after rollout, serving its queue task from now on, and the ``serve``
+        calls (they return only when the queue shuts down)."""
+        actors = [node_cls.remote(node, self.queue, **kwargs) for node in nodes]
+        return actors, [actor.serve.remote() for actor in actors]
 
     async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         """The rollout worker's reports; if it dies, ``WorkerLost`` with the groups it did not report."""
@@ -300,9 +314,12 @@ class RayPipeline(_Pipeline):
         named = [("rollout worker", self.rollout_actor)]
         for rank, actor in enumerate(self.trainer_actors):
             named.append((f"trainer (rank {rank})" if self.spec.ranks > 1 else "trainer", actor))
-        nodes = placement(self.spec).node_workers
-        named += [(f"'{node.id}' task worker", actor) for node, actor in zip(nodes, self.node_actors, strict=True)]
+        named += self._named_node_workers()
         return named
+
+    def _named_node_workers(self) -> list[tuple[str, Any]]:
+        nodes = placement(self.spec).node_workers
+        return [(f"'{node.id}' task worker", actor) for node, actor in zip(nodes, self.node_actors, strict=True)]
 
     def explain(self, err: BaseException) -> RunStopped | None:
         """The one line for an actor's death found in ``err``'s causes (``None``: not one)."""

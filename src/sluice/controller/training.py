@@ -161,7 +161,7 @@ async def run_training(
             run.metrics.log("driver", sample_bytes=float(pipeline.driver_sample_bytes))
         if isinstance(pipeline, MultiRayPipeline):  # where each worker's prompt shard stands
             cursors = {f"shard{c['rank']}_{k}": float(c[k]) for c in pipeline.cursors for k in ("epoch", "position")}
-            run.metrics.log("shards", **cursors)
+            run.metrics.log("shards", **cursors, **{f"node_rows_{k}": float(v) for k, v in pipeline.node_rows.items()})
         await pipeline.save(str(run.final_model_dir))
         return base, final
     finally:

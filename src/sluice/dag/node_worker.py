@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sluice.api import Batch, QueueClient, WeightSync
+from sluice.api import Batch, QueueClient, Shard, WeightSync
 from sluice.config import TrainerConfig
 from sluice.dag.functions import NodeContext, apply_node, resolve_function
 from sluice.dag.model_nodes import ModelBindings
@@ -90,6 +90,19 @@ class NodeTaskWorker:
             if not len(batch):  # closed
                 return self.rows_done
             self.step(batch)
+
+    def serve_steps(self, rank: int, size: int, rows_per_step: int, first: int, steps: int) -> int:
+        """A multi-controller run's node at data-parallel size ``size``: for each step from
+        ``first`` on, read this rank's token-balanced shard of the step's queue partition (the
+        queue's redistribution between stages of different sizes), apply the node, write back.
+        Returns the rows served (fewer if the queue closed first)."""
+        for step in range(first, steps):
+            shard = Shard(rank, size)
+            batch = self.queue.get(self.task, self.node.reads, rows_per_step, partition=step, shard=shard)
+            if not len(batch):  # closed
+                break
+            self.step(batch)
+        return self.rows_done
 
     def step(self, batch: Batch) -> None:
         """One batch of rows, in ascending row order: the node's columns, written back."""
