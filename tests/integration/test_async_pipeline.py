@@ -84,7 +84,7 @@ PPO_UPDATES = ["trainer.ppo_mini_batches=2", "trainer.ppo_epochs=2", "trainer.pr
     ("updates", "strategy"),
     [
         ("one", "ddp"),
-        ("ppo", "ddp"),
+        pytest.param("ppo", "ddp", marks=pytest.mark.scale),  # make test keeps one ddp run; ppo's cuts here
         pytest.param("ppo", "fsdp2", marks=pytest.mark.scale),
         pytest.param("critic", "ddp", marks=pytest.mark.scale),
         pytest.param("critic", "fsdp2", marks=pytest.mark.scale),
