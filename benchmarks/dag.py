@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--scaling-steps", type=int, default=20, help="real: steps of the scaling rows")
     parser.add_argument("--seeds", type=int, default=3, help="real: acceptance seeds per controller")
     parser.add_argument("--resume", action="store_true", help="real: keep the finished rows --out holds")
+    parser.add_argument("--reread", action="store_true", help="real: kept rows read anew from their runs")
     parser.add_argument("--runs-dir", default="runs/bench_dag_real", help="real: run folders")
     parser.add_argument("--timeout", type=int, default=1200, help="real: seconds per row (lock wait apart)")
     parser.add_argument("--out", default=None, help="where the JSON goes")
@@ -179,13 +180,18 @@ def real(args: argparse.Namespace, out: Path, steps: int) -> None:
     """The real-training tables: every row run (or kept with ``--resume``), JSON after each."""
     specs, runs_dir = dag_real.plan(args.scaling_steps, steps, args.seeds, args.quick), Path(args.runs_dir)
     kept = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
-    rows = [r for r in kept if r["name"] in {s.name for s in specs}]
+    rows = [dag_real.reread(r) if args.reread else r for r in kept if r["name"] in {s.name for s in specs}]
     done = {r["name"] for r in rows}
     print(f"{len(specs) - len(done)} rows to run, {len(done)} kept from {out}", flush=True)
     load = os.getloadavg()
+
+    def save(rows: list[dict]) -> None:
+        extra = {"machine": platform.node(), "cpus": os.cpu_count(), "loadavg_before": load}
+        write_results(out, args, rows, acceptance=dag_real.acceptance(rows), **extra)
+
     for spec in (s for s in specs if s.name not in done):
         print(f"{spec.name}: {dag_real.reproduce(spec, runs_dir)}", flush=True)
-        row = dag_real.run_row(spec, runs_dir, args.timeout) | {"loadavg_after": os.getloadavg()}
+        row = dag_real.run_row(spec, runs_dir, args.timeout) | {"loadavg_after": os.getloadavg(), "commit": _head()}
         rows.append(row)
         print(
             f"  loop {row['loop_s']:.1f} s, {row['trained_tokens_per_s']:,.0f} trained tok/s, final acc "
@@ -194,11 +200,15 @@ def real(args: argparse.Namespace, out: Path, steps: int) -> None:
             flush=True,
         )
         rows.sort(key=lambda r: [s.name for s in specs].index(r["name"]))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-        write_results(out, args, rows, acceptance=dag_real.acceptance(rows), commit=commit.strip(),
-                      machine=platform.node(), cpus=os.cpu_count(), loadavg_before=load)  # fmt: skip
+        save(rows)
+    if args.reread:
+        save(rows)
     print("\nReal training, scaling (multi vs single):\n" + dag_real.format_scaling(rows))
     print("\nReal training, acceptance:\n" + dag_real.format_acceptance(rows))
+
+
+def _head() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def synthetic(args: argparse.Namespace, out: Path, steps: int) -> None:

@@ -139,12 +139,25 @@ def summarise(spec: RowSpec, run_dir: Path) -> dict[str, Any]:
         "driver_sample_bytes": driver["sample_bytes"],
         "driver_sample_bytes_per_step": driver["sample_bytes"] / max(len(train), 1),
         "groups_trained": groups,
+        "samples_logged": _lines(run_dir / "samples.jsonl"),
         "driver_sample_bytes_per_trained_group": driver["sample_bytes"] / max(groups, 1),
         "cpu_s": cpu_by_role(cpu),
         "cpu_records": {k: v for k, v in cpu.items() if k.startswith("cpu_")},
         "shards": {k: v for k, v in shards.items() if k.startswith("shard")} if shards else None,
         "run_dir": str(run_dir),
     }
+
+
+def _lines(path: Path) -> int:
+    """Records in a JSONL file (0 when it does not exist)."""
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def reread(row: dict[str, Any]) -> dict[str, Any]:
+    """A kept row summarised anew from its run folder (after this module learned a new column)."""
+    keys = ("section", "controller", "workers", "steps", "eval_every", "seed")
+    fresh = summarise(RowSpec(*(row[k] for k in keys)), Path(row["run_dir"]))
+    return row | fresh
 
 
 def cpu_by_role(cpu: dict[str, Any]) -> dict[str, float]:
