@@ -163,6 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="real: acceptance steps (60); synthetic: 10")
     parser.add_argument("--scaling-steps", type=int, default=20, help="real: steps of the scaling rows")
     parser.add_argument("--seeds", type=int, default=3, help="real: acceptance seeds per controller")
+    parser.add_argument("--repeats", type=int, default=1, help="real: rounds of the scaling rows")
     parser.add_argument("--resume", action="store_true", help="real: keep the finished rows --out holds")
     parser.add_argument("--reread", action="store_true", help="real: kept rows read anew from their runs")
     parser.add_argument("--runs-dir", default="runs/bench_dag_real", help="real: run folders")
@@ -178,7 +179,8 @@ def main() -> None:
 
 def real(args: argparse.Namespace, out: Path, steps: int) -> None:
     """The real-training tables: every row run (or kept with ``--resume``), JSON after each."""
-    specs, runs_dir = dag_real.plan(args.scaling_steps, steps, args.seeds, args.quick), Path(args.runs_dir)
+    specs = dag_real.plan(args.scaling_steps, steps, args.seeds, args.quick, args.repeats)
+    runs_dir = Path(args.runs_dir)
     kept = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
     rows = [dag_real.reread(r) if args.reread else r for r in kept if r["name"] in {s.name for s in specs}]
     done = {r["name"] for r in rows}
@@ -186,8 +188,9 @@ def real(args: argparse.Namespace, out: Path, steps: int) -> None:
     load = os.getloadavg()
 
     def save(rows: list[dict]) -> None:
-        extra = {"machine": platform.node(), "cpus": os.cpu_count(), "loadavg_before": load}
-        write_results(out, args, rows, acceptance=dag_real.acceptance(rows), **extra)
+        extra = {"machine": platform.node(), "cpus": os.cpu_count(), "loadavg_before": load, "src_commit": _head("src")}
+        scaling = dag_real.scaling_medians(rows)
+        write_results(out, args, rows, acceptance=dag_real.acceptance(rows), scaling=scaling, **extra)
 
     for spec in (s for s in specs if s.name not in done):
         print(f"{spec.name}: {dag_real.reproduce(spec, runs_dir)}", flush=True)
@@ -207,8 +210,10 @@ def real(args: argparse.Namespace, out: Path, steps: int) -> None:
     print("\nReal training, acceptance:\n" + dag_real.format_acceptance(rows))
 
 
-def _head() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+def _head(path: str = ".") -> str:
+    """The last commit that touched ``path`` (the whole tree: HEAD)."""
+    git = ["git", "log", "-1", "--format=%h", "--", path]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip()
 
 
 def synthetic(args: argparse.Namespace, out: Path, steps: int) -> None:

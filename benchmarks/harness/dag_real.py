@@ -51,10 +51,12 @@ class RowSpec:
     steps: int
     eval_every: int
     seed: int
+    repeat: int = 0  # a scaling row run again (same config, its own run folder)
 
     @property
     def name(self) -> str:
-        return f"{self.section}_{self.controller}_w{self.workers}_n{self.steps}_s{self.seed}"
+        again = f"_r{self.repeat}" if self.repeat else ""
+        return f"{self.section}_{self.controller}_w{self.workers}_n{self.steps}_s{self.seed}{again}"
 
     def overrides(self, runs_dir: Path) -> list[str]:
         return [
@@ -71,12 +73,14 @@ class RowSpec:
         ]
 
 
-def plan(scaling_steps: int, steps: int, seeds: int, quick: bool) -> list[RowSpec]:
-    """Every row, in run order: the scaling section, then per seed single and multi (2 workers)."""
+def plan(scaling_steps: int, steps: int, seeds: int, quick: bool, repeats: int = 1) -> list[RowSpec]:
+    """Every row, in run order: the scaling section (``repeats`` rounds of single and multi with
+    1, 2, 4 workers), then per seed single and multi (2 workers)."""
     if quick:
-        scaling_steps, steps, seeds = 3, 3, 1
-    scaling = [RowSpec("scaling", "single", 1, scaling_steps, scaling_steps, 0)]
-    scaling += [RowSpec("scaling", "multi", w, scaling_steps, scaling_steps, 0) for w in (1, 2, 4)]
+        scaling_steps, steps, seeds, repeats = 3, 3, 1, 1
+    configs = (("single", 1), ("multi", 1), ("multi", 2), ("multi", 4))
+    n = scaling_steps
+    scaling = [RowSpec("scaling", c, w, n, n, 0, r) for r in range(repeats) for c, w in configs]
     if quick:  # the acceptance rows are single and multi already: one multi row here
         scaling = scaling[1:2]
     every = min(20, steps)
@@ -156,7 +160,7 @@ def _lines(path: Path) -> int:
 def reread(row: dict[str, Any]) -> dict[str, Any]:
     """A kept row summarised anew from its run folder (after this module learned a new column)."""
     keys = ("section", "controller", "workers", "steps", "eval_every", "seed")
-    fresh = summarise(RowSpec(*(row[k] for k in keys)), Path(row["run_dir"]))
+    fresh = summarise(RowSpec(*(row[k] for k in keys), row.get("repeat", 0)), Path(row["run_dir"]))
     return row | fresh
 
 
@@ -219,23 +223,52 @@ def _acc(value: float | None) -> str:
 
 
 def _bytes(n: float) -> str:
-    return f"{n / 2**10:,.1f} KiB" if n else "0 B"
+    return f"{n / 2**10:,.1f} KiB" if n >= 2**10 else f"{n:.0f} B"
+
+
+def scaling_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (controller, rollout workers) of the scaling section: its repeats' median loop seconds
+    and trained tokens/s, and that throughput over single's."""
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in (r for r in rows if r["section"] == "scaling"):
+        cells.setdefault((r["controller"], r["workers"]), []).append(r)
+    out = [
+        {
+            "controller": c,
+            "workers": w,
+            "repeats": len(group),
+            "median_loop_s": statistics.median(r["loop_s"] for r in group),
+            "median_tokens_per_s": statistics.median(r["trained_tokens_per_s"] for r in group),
+        }
+        for (c, w), group in cells.items()
+    ]
+    single = next((m["median_tokens_per_s"] for m in out if m["controller"] == "single"), None)
+    return [m | {"vs_single": round(m["median_tokens_per_s"] / single, 3) if single else None} for m in out]
 
 
 def format_scaling(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| controller | rollout workers | steps | loop s | trained tok/s | final acc | driver sample bytes "
-        "(per step; per trained group) | CPU-s driver / rollout / trainer / gate / queue / other |"
+        "| controller | rollout workers | repeat | loop s | trained tok/s | final acc | driver sample bytes "
+        "(per step; per trained group; samples logged) | CPU-s driver / rollout / trainer / gate / queue / other |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in (r for r in rows if r["section"] == "scaling"):
+    scaling = [r for r in rows if r["section"] == "scaling"]
+    for r in sorted(scaling, key=lambda r: (r["controller"] != "single", r["workers"], r.get("repeat", 0))):
         cpu = r["cpu_s"]
         roles = " / ".join(f"{cpu[k]:.1f}" for k in ("driver", "rollout", "trainer", "gate", "queue", "other"))
         lines.append(
-            f"| {r['controller']} | {r['workers']} | {r['steps_trained']} | {r['loop_s']:.1f} "
+            f"| {r['controller']} | {r['workers']} | {r.get('repeat', 0)} | {r['loop_s']:.1f} "
             f"| {r['trained_tokens_per_s']:,.0f} | {_acc(r['final_accuracy'])} "
             f"| {_bytes(r['driver_sample_bytes'])} ({_bytes(r['driver_sample_bytes_per_step'])}; "
-            f"{r['driver_sample_bytes_per_trained_group']:.0f} B) | {roles} |"
+            f"{r['driver_sample_bytes_per_trained_group']:.0f} B; {r.get('samples_logged', '–')}) | {roles} |"
+        )
+    lines += ["", "| controller | rollout workers | repeats | median loop s | median trained tok/s | vs single |"]
+    lines.append("|---|---|---|---|---|---|")
+    for m in scaling_medians(rows):
+        ratio = "–" if m["vs_single"] is None else f"{m['vs_single']:.2f}×"
+        lines.append(
+            f"| {m['controller']} | {m['workers']} | {m['repeats']} | {m['median_loop_s']:.1f} "
+            f"| {m['median_tokens_per_s']:,.0f} | {ratio} |"
         )
     return "\n".join(lines)
 
