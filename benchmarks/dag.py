@@ -6,7 +6,8 @@ row a ``sluice train`` in its own subprocess under ``flock /tmp/bench.lock`` (on
 a scaling table (``--scaling-steps`` steps: single, and multi with 1, 2 and 4 rollout workers)
 and an acceptance table (``--steps`` steps, single and multi with 2 workers, ``--seeds`` seeds;
 median final accuracy, multi − single, multi / single trained tokens/s). Writes
-``benchmarks/results/dag_real.json`` after every row; ``--resume`` keeps its finished rows.
+``benchmarks/results/dag_real.json`` after every row (``--quick``: ``dag_real_quick.json``);
+``--resume`` keeps its finished rows, ``--repeats`` runs the scaling rows more than once.
 
     PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py [--quick] [--resume] [--seeds 3] [--steps 60]
 
@@ -174,7 +175,8 @@ def main() -> None:
     if args.synthetic or args.cells:
         synthetic(args, Path(args.out or OUT), 10 if args.steps is None else args.steps)
     else:
-        real(args, Path(args.out or REAL_OUT), 60 if args.steps is None else args.steps)
+        quick_out = REAL_OUT.with_name("dag_real_quick.json")  # a smoke check never replaces the study's JSON
+        real(args, Path(args.out or (quick_out if args.quick else REAL_OUT)), 60 if args.steps is None else args.steps)
 
 
 def real(args: argparse.Namespace, out: Path, steps: int) -> None:
