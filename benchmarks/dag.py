@@ -1,4 +1,17 @@
-"""DAG runtime data path: multi-controller (workers move their own rows through the TransferQueue)
+"""Multi- vs single-controller: real training first (``--real``, the default), then the DAG
+runtime's synthetic data path (``--synthetic``).
+
+**Real training** (``harness/dag_real.py``): the default task on Ray, ``run.mode=async``, each
+row a ``sluice train`` in its own subprocess under ``flock /tmp/bench.lock`` (one row per lock):
+a scaling table (``--scaling-steps`` steps: single, and multi with 1, 2 and 4 rollout workers)
+and an acceptance table (``--steps`` steps, single and multi with 2 workers, ``--seeds`` seeds;
+median final accuracy, multi − single, multi / single trained tokens/s). Writes
+``benchmarks/results/dag_real.json`` after every row (``--quick``: ``dag_real_quick.json``);
+``--resume`` keeps its finished rows, ``--repeats`` runs the scaling rows more than once.
+
+    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py [--quick] [--resume] [--seeds 3] [--steps 60]
+
+**Synthetic data path**: multi-controller (workers move their own rows through the TransferQueue)
 against the single-controller variant (the driver gathers every generated row and scatters each
 node's shards by value), one run, same DAG, same node functions.
 
@@ -14,9 +27,9 @@ time, each row has the CPU seconds per step every kind of process burnt during `
 own processes): on a machine with fewer cores than processes, a step cannot take less than its CPU
 over the core count.
 
-    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py [--quick] [--cells 8x32768,2x1024]
+    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/dag.py --synthetic [--quick] [--cells 8x32768,2x1024]
 
-Prints a table and writes ``benchmarks/results/dag.json``.
+Prints a table and writes ``benchmarks/results/dag.json`` (``--cells`` implies ``--synthetic``).
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 import ray
+from harness import dag_real
+from harness.report import write_results
 
 from sluice.dag import compile_dag, parse_dag
 from sluice.dag.loader import IndexPrompts
@@ -39,6 +54,7 @@ from sluice.dag.worker import RuntimeSettings
 
 GROUPS, GROUP_SIZE = 16, 4
 OUT = Path(__file__).resolve().parent / "results" / "dag.json"
+REAL_OUT = OUT.with_name("dag_real.json")
 
 
 def dag(workers: int, tokens: int) -> dict:
@@ -142,17 +158,74 @@ def in_own_session(kind: type, workers: int, tokens: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 and 8 workers, 1k and 32k tokens, 4 steps")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes")
+    parser.add_argument("--real", action="store_true", help="real training runs (the default)")
+    parser.add_argument("--synthetic", action="store_true", help="the synthetic data-path table instead")
+    parser.add_argument("--quick", action="store_true", help="real: 3 steps, 1 seed, 3 rows; synthetic: 4 cells")
+    parser.add_argument("--steps", type=int, default=None, help="real: acceptance steps (60); synthetic: 10")
+    parser.add_argument("--scaling-steps", type=int, default=20, help="real: steps of the scaling rows")
+    parser.add_argument("--seeds", type=int, default=3, help="real: acceptance seeds per controller")
+    parser.add_argument("--repeats", type=int, default=1, help="real: rounds of the scaling rows")
+    parser.add_argument("--resume", action="store_true", help="real: keep the finished rows --out holds")
+    parser.add_argument("--reread", action="store_true", help="real: kept rows read anew from their runs")
+    parser.add_argument("--runs-dir", default="runs/bench_dag_real", help="real: run folders")
+    parser.add_argument("--timeout", type=int, default=1200, help="real: seconds per row (lock wait apart)")
+    parser.add_argument("--out", default=None, help="where the JSON goes")
     parser.add_argument("--cells", default="", help="only these cells, e.g. 8x32768,2x1024 (workers x tokens)")
     args = parser.parse_args()
+    if args.synthetic or args.cells:
+        synthetic(args, Path(args.out or OUT), 10 if args.steps is None else args.steps)
+    else:
+        quick_out = REAL_OUT.with_name("dag_real_quick.json")  # a smoke check never replaces the study's JSON
+        real(args, Path(args.out or (quick_out if args.quick else REAL_OUT)), 60 if args.steps is None else args.steps)
+
+
+def real(args: argparse.Namespace, out: Path, steps: int) -> None:
+    """The real-training tables: every row run (or kept with ``--resume``), JSON after each."""
+    specs = dag_real.plan(args.scaling_steps, steps, args.seeds, args.quick, args.repeats)
+    runs_dir = Path(args.runs_dir)
+    kept = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
+    rows = [dag_real.reread(r) if args.reread else r for r in kept if r["name"] in {s.name for s in specs}]
+    done = {r["name"] for r in rows}
+    print(f"{len(specs) - len(done)} rows to run, {len(done)} kept from {out}", flush=True)
+    load = os.getloadavg()
+
+    def save(rows: list[dict]) -> None:
+        extra = {"machine": platform.node(), "cpus": os.cpu_count(), "loadavg_before": load, "src_commit": _head("src")}
+        scaling = dag_real.scaling_medians(rows)
+        write_results(out, args, rows, acceptance=dag_real.acceptance(rows), scaling=scaling, **extra)
+
+    for spec in (s for s in specs if s.name not in done):
+        print(f"{spec.name}: {dag_real.reproduce(spec, runs_dir)}", flush=True)
+        row = dag_real.run_row(spec, runs_dir, args.timeout) | {"loadavg_after": os.getloadavg(), "commit": _head()}
+        rows.append(row)
+        print(
+            f"  loop {row['loop_s']:.1f} s, {row['trained_tokens_per_s']:,.0f} trained tok/s, final acc "
+            f"{row['final_accuracy']}, driver sample bytes {row['driver_sample_bytes']:,.0f} "
+            f"({row['driver_sample_bytes_per_step']:,.0f}/step), CPU-s {row['cpu_s']}",
+            flush=True,
+        )
+        rows.sort(key=lambda r: [s.name for s in specs].index(r["name"]))
+        save(rows)
+    if args.reread:
+        save(rows)
+    print("\nReal training, scaling (multi vs single):\n" + dag_real.format_scaling(rows))
+    print("\nReal training, acceptance:\n" + dag_real.format_acceptance(rows))
+
+
+def _head(path: str = ".") -> str:
+    """The last commit that touched ``path`` (the whole tree: HEAD)."""
+    git = ["git", "log", "-1", "--format=%h", "--", path]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip()
+
+
+def synthetic(args: argparse.Namespace, out: Path, steps: int) -> None:
+    """The synthetic data-path table (``measure`` per cell, each variant in its own Ray session)."""
     workers = (2, 8) if args.quick else (2, 4, 8)
     tokens = (1024, 32768) if args.quick else (1024, 8192, 32768)
     cells = [(w, t) for w in workers for t in tokens]
     if args.cells:
         cells = [(int(w), int(t)) for w, t in (c.split("x") for c in args.cells.split(","))]
-    steps = 4 if args.quick else args.steps
+    steps = 4 if args.quick else steps
     load = os.getloadavg()
     rows = []
     for w, t in cells:
@@ -187,9 +260,9 @@ def main() -> None:
             "steps": steps, "commit": commit, "loadavg_before": load, "loadavg_after": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
     print(f"load average before {load[0]:.2f}, after {meta['loadavg_after'][0]:.2f}; commit {commit}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
