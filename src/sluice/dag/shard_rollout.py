@@ -84,6 +84,7 @@ class ShardRolloutWorker(RolloutWorker):
             granted = asking.result()
             if not granted:
                 break
+            self._forget_trained(min(c.version for c in granted))  # v: every step before it is trained
             wave = []
             for credit in granted:  # a prompt each, remembered until the group's step is trained
                 (item,) = self.loader.take(1)
@@ -104,8 +105,7 @@ class ShardRolloutWorker(RolloutWorker):
         granted before it): the cursor just after the prompt of its last group granted before the
         cut (a later one's prompt is taken again on resume), and the prompts of the ``pending``
         groups it generates. Prompts of groups of steps already trained are forgotten here."""
-        for gid in [g for g, (step, _, _) in self._admitted.items() if step < trained_steps]:
-            self._base_cursor = max(self._base_cursor, self._admitted.pop(gid)[2], key=_place)
+        self._forget_trained(trained_steps)
         before = [cursor for gid, (_, _, cursor) in self._admitted.items() if gid < next_group]
         cursor = max([self._base_cursor, *before], key=_place)
         prompts = {gid: self._admitted[gid][1] for gid in pending if gid in self._admitted}
@@ -118,6 +118,12 @@ class ShardRolloutWorker(RolloutWorker):
         async for report in self.run_groups(wave, parts):
             self._running.discard(report.group_id)
             await credits.report(report)
+
+    def _forget_trained(self, trained_steps: int) -> None:
+        """Drop the groups of steps already trained (no cut can find them generating), keeping
+        the newest of their cursors: what this worker remembers stays about (η + 1) steps."""
+        for gid in [g for g, (step, _, _) in self._admitted.items() if step < trained_steps]:
+            self._base_cursor = max(self._base_cursor, self._admitted.pop(gid)[2], key=_place)
 
     def stop_shard(self, reason: str = "run_end") -> int:
         """Abort the groups still generating (each reports ``reason``); returns how many."""
