@@ -13,6 +13,7 @@ bytes. Neither decides what a node computes.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ class DagRunResult:
     """The data-loader cursor of each generate worker (one per prompt shard)."""
 
 
-class _Run:
+class _Run(ABC):
     def __init__(self, plan: Plan, settings: RuntimeSettings, *, storage_units: int = 1, models: Any = None) -> None:
         import ray
 
@@ -81,8 +82,9 @@ class _Run:
             t.get([t.call(a.connect, actors[0] if r else None) for r, a in enumerate(actors)])
         self._warm_up()
 
+    @abstractmethod
     def _warm_up(self) -> None:
-        raise NotImplementedError
+        """Pay the variant's one-time data-path costs before a timed ``run``."""
 
     def _generates(self, group: WorkerGroup) -> bool:
         return any(self.plan.spec.node(n).type == "generate" for n in group.nodes)
