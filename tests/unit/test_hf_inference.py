@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import random
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,30 @@ def test_prefills_count_one_forward_per_prompt_length_per_admission(model: Llama
     while trickled.has_work():
         trickled.step()
     assert all(f.done() for f in futures) and trickled.stats()["prefills"] == 6
+
+
+@pytest.mark.parametrize("seed", [4, 7])  # schedules that re-expose columns of departed rows
+def test_rows_joining_wider_than_the_cache_after_others_left_read_no_stale_columns(
+    model: LlamaForCausalLM, seed: int
+) -> None:
+    """Rows come and go at random with prompts of mixed lengths (an agent's growing histories):
+    when a joiner wider than the cache re-exposes columns left of it, the running rows' slots there
+    hold keys, values and mask of rows that left, which must not be read. Every request's tokens
+    and log-probs equal its run alone."""
+    rng = random.Random(seed)
+    engine = HFInferenceEngine(model, max_batch=6)
+    requests, futures = [], []
+    for _ in range(60):
+        if rng.random() < 0.5:
+            prompt = [rng.randrange(1, 30) for _ in range(rng.choice([2, 3, 5, 9, 14, 20, 27]))]
+            n = len(requests)
+            requests.append(_req(f"r{n}", prompt, rng.choice([2, 4, 7, 12]), n, temperature=1.0))
+            futures.append(engine.submit(requests[-1]))
+        if engine.has_work():
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    for request, future in zip(requests, futures, strict=True):
+        alone, batched = _alone(model, request), future.result()
+        assert batched.token_ids == alone.token_ids, request.request_id
+        assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4), request.request_id

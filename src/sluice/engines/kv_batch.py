@@ -69,6 +69,8 @@ class _Slab:
         cols, (cap_rows, cap_cols) = self.end - self.start, self.bufs[-1].shape
         grow = max(0, width - cols)
         if rows <= cap_rows and grow <= self.start and self.end + room <= cap_cols:
+            for buf in self.bufs:  # the slots' columns left of `start` hold stale data of rows gone
+                _cols(buf, self.start - grow, self.start)[: self.n].zero_()
             self.start -= grow
             return
         width = max(width, cols)
