@@ -8,6 +8,7 @@ from sluice.api.env import Env, EnvStep, ToolEnv
 from sluice.api.protocols import (
     AdmissionCredits,
     Algorithm,
+    ExpectsRequests,
     InferenceEngine,
     LengthPredictor,
     Replica,
@@ -49,6 +50,7 @@ __all__ = [
     "Credit",
     "Env",
     "EnvStep",
+    "ExpectsRequests",
     "GenerationRequest",
     "GroupReport",
     "InferenceEngine",

@@ -7,7 +7,7 @@ Implementations live in their rooms: ``engines/`` (inference and training engine
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from sluice.api.types import (
@@ -55,6 +55,18 @@ class InferenceEngine(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Counters for telemetry (running, waiting, generated tokens, ...)."""
+        ...
+
+
+@runtime_checkable
+class ExpectsRequests(Protocol):
+    """An in-process engine that can wait, briefly, for requests it is told are on their way (an
+    agent's next call, a round trip after its last answer) instead of decoding a batch they
+    outnumber (``engines/arrival_hold.py``)."""
+
+    def expect_requests(self, expected: Callable[[], float], hold: float) -> None:
+        """``expected()``: requests known to be coming to this engine; ``hold``: the longest wait
+        before a step, in multiples of the engine's recent step time (0: never wait)."""
         ...
 
 

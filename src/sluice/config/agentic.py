@@ -98,6 +98,13 @@ class AgenticConfig(Section):
     """Seconds an agent's episode may take; a slower one is cancelled and fails its episode
     (``env_episodes_agent_timeout``). ``null``: no limit."""
 
+    hold_for_calls: float = Field(default=1.0, ge=0.0)
+    """How long an engine in the rollout worker's process may wait before a decode step for agent
+    calls it knows are coming (episodes answered that have not called again or ended), while they
+    outnumber its batch, in multiples of its recent step time; it steps at once when they arrive.
+    Fewer, fuller steps when the agents' round trips would otherwise spread turns over many small
+    batches (``engine_holds``, ``engine_hold_s``). ``0``: never wait."""
+
     tool_parser: Literal["hermes", "calculator", "none"] = "hermes"
     """How a model turn's tool calls become OpenAI ``tool_calls`` for an agent: ``hermes``
     (``<tool_call>{json}</tool_call>``, Qwen / Hermes chat models), ``calculator`` (the built-in

@@ -54,6 +54,8 @@ ENGINE_SYNC_STATS = (
     "steps",
     "generated_tokens",
     "drive_s",
+    "holds",
+    "hold_s",
     "proxy_routed",
     "proxy_rerouted",
 )

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ from transformers import PreTrainedModel
 
 from sluice.api.protocols import WeightUpdateMode
 from sluice.api.types import Completion, FinishReason, GenerationRequest
+from sluice.engines.arrival_hold import ArrivalHold
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.kv_batch import Rows, prefill
 from sluice.engines.sampling import sample_tokens, seed_key, uniforms
@@ -108,6 +109,7 @@ class HFInferenceEngine:
         self._host: dict[str, Tensor] = {}  # reusable staging buffers (pinned on CUDA)
         self._drain_s = 0.0
         self._drive_s = 0.0
+        self._hold: ArrivalHold | None = None
         self._activated_at = time.time()
         counters = ("generated_tokens", "prefill_tokens", "prefills", "reprefill_tokens", "steps", "weight_updates")
         self._counts = dict.fromkeys((*counters, "stale_cache_rows", "weight_updates_superseded"), 0)
@@ -166,6 +168,11 @@ class HFInferenceEngine:
         self._staged = _Staged(self._stage(weights), version, since)
         self._swap_if_drained()
 
+    def expect_requests(self, expected: Callable[[], float], hold: float) -> None:
+        """Wait before a step, up to ``hold`` step times, while ``expected()`` requests on their
+        way outnumber the batch (``arrival_hold.py``; counted as ``holds`` / ``hold_s``)."""
+        self._hold = ArrivalHold(expected, hold) if hold > 0 else None
+
     def stats(self) -> dict[str, float]:
         """Counters plus weight-sync state: ``version``, ``pending_version`` (-1: none staged),
         ``stale_cache_rows`` (rows an ``interrupt`` load left decoding over an older cache: ``reprefill=False``),
@@ -173,8 +180,9 @@ class HFInferenceEngine:
         ``weight_drain_s`` (cumulative seconds admission stood still for a staged update),
         ``drive_s`` (wall seconds of driven iterations: a step plus whatever else the event loop's
         thread ran before the next one, so ``drive_s / steps`` is the engine's effective
-        iteration time in its process) and ``version_activated_at`` (``time.time()`` when the
-        current version became active)."""
+        iteration time in its process; waits for expected requests not included), ``holds`` /
+        ``hold_s`` (steps that waited for them, seconds waited) and ``version_activated_at``
+        (``time.time()`` when the current version became active)."""
         running = len(self._rows.seqs) if self._rows is not None else 0
         pending = self._staged.version if self._staged is not None else -1
         counts = {"running": running, "waiting": len(self._waiting), **self._counts, "version": self.version}
@@ -182,6 +190,8 @@ class HFInferenceEngine:
             "pending_version": pending,
             "weight_drain_s": self._drain_s,
             "drive_s": self._drive_s,
+            "holds": self._hold.holds if self._hold is not None else 0,
+            "hold_s": self._hold.held_s if self._hold is not None else 0.0,
             "version_activated_at": self._activated_at,
         }
         return {name: float(value) for name, value in {**counts, **extra}.items()}
@@ -206,6 +216,9 @@ class HFInferenceEngine:
         self._by_id[request.request_id] = seq
         self._waiting.append(seq)
         return seq.future
+
+    def _batch(self) -> int:
+        return len(self._waiting) + (len(self._rows.seqs) if self._rows is not None else 0)
 
     def has_work(self) -> bool:
         return bool(self._waiting) or self._rows is not None or self._staged is not None
@@ -366,10 +379,15 @@ class HFInferenceEngine:
                     wake.clear()
                     await wake.wait()
                     continue
+                if self._hold is not None:
+                    await self._hold.wait(self._batch, wake)
                 start = time.perf_counter()
                 self.step()
                 await asyncio.sleep(0)
-                self._drive_s += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self._drive_s += took
+                if self._hold is not None:
+                    self._hold.stepped(took)
         except Exception as exc:  # a failed step fails every pending request instead of hanging it
             logger.exception("inference step failed; failing %d pending requests", len(self._by_id))
             seqs, self._by_id, self._rows = list(self._by_id.values()), {}, None

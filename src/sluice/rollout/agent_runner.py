@@ -35,7 +35,7 @@ from sluice.api import InferenceEngine, PromptItem, RewardFailure, RewardFn, Sam
 from sluice.rollout.agent_endpoint import AgentEndpoint
 from sluice.rollout.agent_loader import load_agent
 from sluice.rollout.agent_process import AgentProcess
-from sluice.rollout.agent_session import AgentSession, ChatModel, SessionLimits
+from sluice.rollout.agent_session import AgentSession, ChatModel, ExpectedCalls, SessionLimits
 from sluice.rollout.agent_transport import transports
 from sluice.rollout.episode import EpisodeFailed, TurnBarrier
 
@@ -93,6 +93,8 @@ class AgentEpisodeRunner:
         self._async_http: Any = None
         self._sync_http = self._http_client(sync=True) if not self.is_async else None
         self.counts: Counter[str] = Counter()
+        self.expected = ExpectedCalls()
+        """Episodes whose next call is on its way (an engine may wait for them: ``agentic.hold_for_calls``)."""
 
     async def run(
         self, item: PromptItem, group_id: int, k: int, barrier: TurnBarrier | None = None, tag: str = "g"
@@ -101,7 +103,7 @@ class AgentEpisodeRunner:
         if barrier is not None:
             raise ValueError("agentic.mode: barrier moves Env episodes in lockstep; an agent's turns are its own")
         session = AgentSession(self.engine, self.model, self.limits, run_seed=self.run_seed, group_id=group_id, k=k,
-                               tag=tag)  # fmt: skip
+                               tag=tag, expected=self.expected)  # fmt: skip
         key = self.endpoint.open(session)
         row = {"prompt": item.prompt, "index": item.index, **item.fields}
         if self.process is not None:

@@ -68,6 +68,19 @@ class EndpointError(Exception):
         self.code = code
 
 
+class ExpectedCalls:
+    """How many episodes had a call answered and have neither made their next call nor ended: calls
+    known to be on their way, which an engine may wait for before a step
+    (``api.ExpectsRequests``, ``engines/arrival_hold.py``). Sessions keep it; read on the
+    engine's loop, where every call runs."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> float:
+        return float(self.count)
+
+
 @dataclass(frozen=True)
 class ChatModel:
     """The model's text side: its tokenizer (``encode`` without special tokens, ``decode``) and
@@ -126,8 +139,9 @@ class AgentSession:
         k: int,
         tag: str = "g",
         loop: asyncio.AbstractEventLoop | None = None,
+        expected: ExpectedCalls | None = None,
     ) -> None:
-        self.engine, self.model, self.limits = engine, model, limits
+        self.engine, self.model, self.limits, self.expected = engine, model, limits, expected
         self.run_seed, self.group_id, self.k, self.tag = run_seed, group_id, k, tag
         self.loop = loop or asyncio.get_running_loop()
         """The engine's event loop: every call runs on it (``agent_endpoint.py`` hands them over)."""
@@ -143,11 +157,13 @@ class AgentSession:
         self._lock = asyncio.Lock()
         self._pending: set[str] = set()
         self._closed = False
+        self._awaited = False  # counted in ``expected``: answered, next call (or the end) not yet here
 
     async def complete(self, request: ChatRequest) -> dict[str, Any]:
         """Answer one call: render, check the record, generate, record, parse tool calls."""
         if request.stream or request.n != 1:
             raise EndpointError(400, "stream and n > 1 are not supported; send stream=false, n=1")
+        self._await_next(False)
         async with self._lock:  # one episode is one token sequence: its calls take turns
             call = self.counts["calls"]
             if call >= self.limits.max_turns:
@@ -163,7 +179,10 @@ class AgentSession:
             self._closed = bool(closed)
             self.trajectory.add_model_turn(completion, (), text)  # the next render closes a cut turn
             self.last_text = text
-            return self._response(request, completion, text, len(prompt))
+            response = self._response(request, completion, text, len(prompt))
+            calls_tool = response["choices"][0]["finish_reason"] == "tool_calls"  # an agent answers a tool call
+            self._await_next(calls_tool and self.counts["calls"] < self.limits.max_turns)
+            return response
 
     def sample(self, reward: float, meta: Mapping[str, Any]) -> Sample:
         """The episode's training sample (its last segment); a last turn cut by the length cap is
@@ -176,9 +195,16 @@ class AgentSession:
         return self.trajectory.to_sample(uid, self.group_id, reward, {**meta, "finish_reason": self.finish})
 
     def abort(self) -> None:
-        """Stop this episode's requests on the engines (its agent was stopped)."""
+        """Stop this episode's requests on the engines (its agent ended or was stopped); no
+        further call is expected."""
+        self._await_next(False)
         for request_id in list(self._pending):
             self.engine.abort(request_id)
+
+    def _await_next(self, awaited: bool) -> None:
+        if self.expected is not None and awaited != self._awaited:
+            self.expected.count += 1 if awaited else -1
+        self._awaited = awaited
 
     def _render(self, request: ChatRequest) -> list[int]:
         try:

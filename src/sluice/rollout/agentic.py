@@ -56,6 +56,7 @@ class EnvRolloutSpec:
     tool_parser: str = "hermes"
     chat_template: str | None = None
     template_mismatch: str = "refuse"
+    hold_for_calls: float = 1.0
 
 
 def env_rollout_spec(config: AgenticConfig, task_env: str | None, turn_tokens: int) -> EnvRolloutSpec | None:
@@ -92,6 +93,7 @@ def env_rollout_spec(config: AgenticConfig, task_env: str | None, turn_tokens: i
         tool_parser=config.tool_parser,
         chat_template=template,
         template_mismatch=config.template_mismatch,
+        hold_for_calls=config.hold_for_calls,
     )
 
 

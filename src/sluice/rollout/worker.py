@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-from sluice.api import AsyncQueueClient, GroupReport, Partition, PromptItem, RewardFn, SamplingParams, WeightSync
+from sluice.api import (
+    AsyncQueueClient,
+    ExpectsRequests,
+    GroupReport,
+    Partition,
+    PromptItem,
+    RewardFn,
+    SamplingParams,
+    WeightSync,
+)
 from sluice.config import ConfigError
 from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
@@ -32,6 +41,8 @@ from sluice.config.resources import RolloutResources
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
 from sluice.rewards import build_reward_service, overlong_shaping
+from sluice.rollout.agent_runner import AgentEpisodeRunner
+from sluice.rollout.agent_session import ExpectedCalls
 from sluice.rollout.agentic import EnvRolloutSpec, build_env_runner, evaluate_episodes
 from sluice.rollout.env_runner import EnvRunner
 from sluice.rollout.evaluate import EvalResult, evaluate_async
@@ -103,6 +114,8 @@ class RolloutWorker:
                 agentic, self.proxy, queue, self.tokenizer, params, group_size=group_size, run_seed=run_seed,
                 model_dir=model_dir, tracer=self.tracer, reward=self.reward,
             )  # fmt: skip
+            if isinstance(self.env_runner.episodes, AgentEpisodeRunner):  # engines may wait for its calls
+                self._expect_calls(self.env_runner.episodes.expected, agentic.hold_for_calls)
         else:
             workflow = SingleTurnWorkflow(self.tokenizer, params, group_size, run_seed, penalty)
             self.runner = GroupRunner(
@@ -114,6 +127,14 @@ class RolloutWorker:
                 scheduling=rollout.scheduling,
                 tracer=self.tracer,
             )
+
+    def _expect_calls(self, expected: ExpectedCalls, hold: float) -> None:
+        """Engines in this process wait for agent calls on their way (``agentic.hold_for_calls``);
+        each expects its share (the proxy spreads episodes over the replicas)."""
+        share = len(self.engines)
+        for engine in self.engines:
+            if isinstance(engine, ExpectsRequests):
+                engine.expect_requests(lambda: expected() / share, hold)
 
     def _start_replicas(
         self,
