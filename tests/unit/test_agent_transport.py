@@ -160,3 +160,26 @@ def test_an_agent_process_reports_failures_and_timeouts():
         runner.close()
         stalled.close()
     assert sample.meta["calls"] >= 1 and not stalled.engine.has_work()
+
+
+def test_a_dead_agent_process_fails_its_episodes_at_once():
+    """The engine's loop reads the child's pipe: when the child dies, every episode it held fails
+    (``agent_error`` naming the exit), without waiting for a timeout."""
+    runner = _runner(_engine(), process=True, timeout=30.0)
+    runner.engine.pause()  # the episodes' calls wait: the agents are mid-episode when the child dies
+
+    async def main():
+        episodes = [asyncio.ensure_future(runner.run(_item(i), 0, i)) for i in range(3)]
+        while runner.engine.stats()["waiting"] < 3:
+            await asyncio.sleep(0.01)
+        runner.process._process.kill()
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.gather(*episodes, return_exceptions=True)
+        return results, asyncio.get_running_loop().time() - started
+
+    try:
+        results, took = asyncio.run(main())
+    finally:
+        runner.close()
+    assert all(isinstance(r, EpisodeFailed) and "exited" in str(r) for r in results), results
+    assert took < 10.0

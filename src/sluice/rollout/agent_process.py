@@ -55,12 +55,13 @@ class AgentProcess:
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="agent-process-writer", daemon=True)
         self._writer.start()
-        self._reader = threading.Thread(target=self._read, name="agent-process-reader", daemon=True)
-        self._reader.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def submit(self, base_url: str, key: str, row: dict[str, Any]) -> concurrent.futures.Future[Any]:
-        """Play one episode in the child; the future holds the agent's return value (or raises
+        """Play one episode in the child (called on the engine's event loop, which reads the
+        child's messages from then on); the future holds the agent's return value (or raises
         ``AgentProcessError``). Cancelling the future cancels the episode's task."""
+        self._read_on(asyncio.get_running_loop())
         episode = next(self._ids)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._futures[episode] = future
@@ -69,6 +70,11 @@ class AgentProcess:
         return future
 
     def close(self) -> None:
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _running_on(loop):
+            loop.call_soon_threadsafe(self._stop_reading)
+        else:
+            self._stop_reading()
         self._send(("stop",))
         try:
             self._process.wait(timeout=5)
@@ -91,10 +97,18 @@ class AgentProcess:
             if message[0] == "stop":
                 return
 
-    def _read(self) -> None:
-        """Answer the child's calls and resolve its episodes; when it dies, fail the rest."""
+    def _read_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the child's messages on ``loop`` (the engine's, where its calls run): no reader
+        thread, so a call costs no hand-off between threads for the GIL (``_readable``)."""
+        if self._loop is None:
+            self._loop = loop
+            loop.add_reader(self._conn.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        """Answer the child's calls and resolve its episodes, every message that is waiting; when
+        the child dies, fail the rest."""
         try:
-            while True:
+            while self._conn.poll():
                 message = self._conn.recv()
                 if message[0] == "call":
                     call = message[1]
@@ -109,9 +123,22 @@ class AgentProcess:
                 else:
                     future.set_exception(AgentProcessError(value))
         except (EOFError, OSError):
+            self._stop_reading()
             for future in self._futures.values():
                 if not future.done():
                     future.set_exception(AgentProcessError("the agents' process exited"))
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._conn.fileno())
+        self._loop = None
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _child_main(fd: int, agent: str, threads: int) -> None:
