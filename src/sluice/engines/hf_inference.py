@@ -281,13 +281,13 @@ class HFInferenceEngine:
         """Rebuild the running rows' KV cache (prompt + tokens so far, not ``last``) with the current
         weights; ``last``, positions and sampling counters stay as they are."""
         sequences = rows.cached_tokens([s.request.prompt_ids for s in rows.seqs])
-        cache, mask, _, computed, _ = prefill(self.model, sequences)
+        cache, mask, _, computed = prefill(self.model, sequences)
         rows.replace_cache(cache, mask)
         self._counts["reprefill_tokens"] += computed
 
     def _admit(self) -> None:
         """Admit waiting requests into free slots, in batches: each admission costs prefill forwards
-        (one per bucket of close prompt lengths) and a write into the slab, so admission waits until a quarter of
+        (one per prompt length) and a write into the slab, so admission waits until a quarter of
         the slots (or every waiting request) fits, unless nothing is running. Step-driven, so still
         deterministic."""
         running = len(self._rows.seqs) if self._rows is not None else 0
@@ -297,9 +297,9 @@ class HFInferenceEngine:
         if running and free < min(len(self._waiting), self._admit_batch):
             return
         new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        cache, mask, logits, computed, forwards = prefill(self.model, [s.request.prompt_ids for s in new])
+        cache, mask, logits, computed = prefill(self.model, [s.request.prompt_ids for s in new])
         self._counts["prefill_tokens"] += computed
-        self._counts["prefills"] += forwards
+        self._counts["prefills"] += len({len(s.request.prompt_ids) for s in new})  # one forward per length
         keys = [seed_key(s.request.seed) for s in new]
         fresh = Rows.start(new, [s.request.params for s in new], keys, cache, mask)
         done, stopped = self._advance(fresh, logits)

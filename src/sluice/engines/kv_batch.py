@@ -9,8 +9,8 @@ move into freed slots, leading columns nobody uses are dropped by moving an offs
 ``extend`` (written into free slots, right-aligned). Why: with ``DynamicCache`` concatenation and
 ``index_select`` every step copied the whole cache, which made continuous batching (rows leave and
 join all the time) slower than static batches. ``prefill`` runs each distinct token sequence once
-(close lengths share one right-padded forward) and returns a plain cache whose rows follow the
-input order; the engine uses it for new prompts and, after an interrupting weight update, to rebuild the
+(equal lengths share one unpadded forward) and returns a plain cache whose rows follow the input
+order; the engine uses it for new prompts and, after an interrupting weight update, to rebuild the
 cache of running rows (prompt + tokens so far) under the new weights.
 
 Not here: scheduling, sampling and weight updates (``hf_inference.py``, ``sampling.py``); paged
@@ -232,33 +232,28 @@ class Rows:
         return self
 
 
-def prefill(
-    model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]
-) -> tuple[DynamicCache, Tensor, Tensor, int, int]:
-    """Run each distinct sequence once; sequences of close lengths share one forward.
+def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tuple[DynamicCache, Tensor, Tensor, int]:
+    """Run each distinct sequence once; equal lengths share one unpadded forward.
 
-    Returns ``(cache, mask, logits, computed, forwards)``: a right-aligned cache with one row per
-    input sequence (input order; keys / values [rows, kv_heads, cols, head_dim]), its mask [rows,
-    cols], the logits after each sequence's last token [rows, V], the number of tokens computed
-    (pads not counted) and of forwards run.
-    Sequences are cut into buckets by length (``_buckets``: padding at most as many tokens as the
-    bucket holds); a bucket is one forward, right-padded, so under the causal mask no real token
-    sees a pad (each row computes what it would alone, up to float rounding of the batch shape),
-    and its cache is then right-aligned with the pad columns zeroed. Why: an agent's calls arrive a
-    few at a time with histories of every length, and one forward per length cost a model call
-    each (``prefills`` counts forwards).
+    Returns ``(cache, mask, logits, computed)``: a right-aligned cache with one row per input
+    sequence (input order; keys / values [rows, kv_heads, cols, head_dim]), its mask [rows, cols],
+    the logits after each sequence's last token [rows, V], and the number of tokens computed.
     """
+    device = next(model.parameters()).device
     distinct = list(dict.fromkeys(tuple(s) for s in sequences))
     caches: list[DynamicCache] = []
     logits: list[Tensor] = []
     order: list[tuple[int, ...]] = []
-    for bucket in _buckets(sorted(distinct, key=len)):
-        cache, last = _prefill_bucket(model, bucket)
+    for length in sorted({len(s) for s in distinct}):
+        group = [s for s in distinct if len(s) == length]
+        ids = torch.tensor(group, dtype=torch.long, device=device)  # [group, length]
+        positions = torch.arange(length, device=device).expand(len(group), length)
+        cache = DynamicCache()
+        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         caches.append(cache)
-        logits.append(last)
-        order.extend(bucket)
+        logits.append(out.logits[:, -1])
+        order.extend(group)
     cols = len(order[-1])
-    device = logits[0].device
     merged = caches[0]
     for i, layer in enumerate(merged.layers):
         for attr in ("keys", "values"):
@@ -269,42 +264,4 @@ def prefill(
     share = torch.tensor([row_of[tuple(s)] for s in sequences], device=device)
     for layer in merged.layers:
         layer.keys, layer.values = layer.keys.index_select(0, share), layer.values.index_select(0, share)
-    computed = sum(map(len, distinct))
-    return merged, mask.index_select(0, share), torch.cat(logits).index_select(0, share), computed, len(caches)
-
-
-def _buckets(by_length: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-    """Consecutive runs of length-sorted sequences whose right-padding to the run's longest adds at
-    most as many tokens as the run holds."""
-    buckets: list[list[tuple[int, ...]]] = []
-    for seq in by_length:
-        bucket = buckets[-1] if buckets else None
-        if bucket is not None and len(seq) * (len(bucket) + 1) <= 2 * (sum(map(len, bucket)) + len(seq)):
-            bucket.append(seq)
-        else:
-            buckets.append([seq])
-    return buckets
-
-
-def _prefill_bucket(model: PreTrainedModel, bucket: list[tuple[int, ...]]) -> tuple[DynamicCache, Tensor]:
-    """One right-padded forward over ``bucket`` (ascending lengths): its right-aligned cache [rows,
-    kv_heads, longest, head_dim] with zeros left of each row, and each row's last-token logits."""
-    device = next(model.parameters()).device
-    cols = len(bucket[-1])
-    lengths = torch.tensor([len(s) for s in bucket], device=device)
-    ids = torch.tensor([list(s) + [0] * (cols - len(s)) for s in bucket], dtype=torch.long, device=device)
-    positions = torch.arange(cols, device=device).expand(len(bucket), cols)
-    cache = DynamicCache()
-    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                logits_to_keep=(lengths - 1).unsqueeze(1))  # fmt: skip
-    if int(lengths[0]) == cols:  # one length: already right-aligned
-        return cache, out.logits[:, -1]
-    source = torch.arange(cols, device=device).unsqueeze(0) - (cols - lengths).unsqueeze(1)  # [rows, cols]
-    real = (source >= 0)[:, None, :, None]
-    index = source.clamp(min=0)[:, None, :, None]
-    for layer in cache.layers:
-        for attr in ("keys", "values"):
-            t = getattr(layer, attr)
-            aligned = t.gather(2, index.expand(-1, t.shape[1], -1, t.shape[3]))
-            setattr(layer, attr, torch.where(real, aligned, torch.zeros((), dtype=t.dtype, device=device)))
-    return cache, out.logits[:, -1]
+    return merged, mask.index_select(0, share), torch.cat(logits).index_select(0, share), sum(map(len, distinct))
