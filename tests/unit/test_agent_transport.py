@@ -183,3 +183,18 @@ def test_a_dead_agent_process_fails_its_episodes_at_once():
         runner.close()
     assert all(isinstance(r, EpisodeFailed) and "exited" in str(r) for r in results), results
     assert took < 10.0
+
+
+def test_an_agent_process_serves_successive_event_loops():
+    """A runner played under one ``asyncio.run`` and then another: the pipe's reader moves to the
+    new loop (the first is closed), so the second loop's episodes are answered too."""
+    runner = _runner(_engine(), process=True)
+
+    async def one(i):
+        return await runner.run(_item(i), 0, i)
+
+    try:
+        first, second = asyncio.run(one(0)), asyncio.run(one(1))
+    finally:
+        runner.close()
+    assert first.meta["calls"] >= 1 and second.meta["calls"] >= 1

@@ -99,8 +99,10 @@ class AgentProcess:
 
     def _read_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the child's messages on ``loop`` (the engine's, where its calls run): no reader
-        thread, so a call costs no hand-off between threads for the GIL (``_readable``)."""
-        if self._loop is None:
+        thread, so a call costs no hand-off between threads for the GIL (``_readable``). A new
+        loop (the previous one closed: a runner used by successive ``asyncio.run`` calls) takes over."""
+        if self._loop is not loop:
+            self._stop_reading()
             self._loop = loop
             loop.add_reader(self._conn.fileno(), self._readable)
 
