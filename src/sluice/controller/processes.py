@@ -12,7 +12,10 @@ forkserver and workers; Ray actors get them again through their ``runtime_env``
 SIGTERM then SIGKILL after a grace; ``stop_own_processes`` (at the run's end, on every path)
 stops the ones of this driver that are still there, but for multiprocessing's forkserver and
 resource tracker, which belong to the process (a later run in it reuses them) and exit with it.
-``start_reaper`` starts a process that stops them all if the driver dies without doing it.
+``start_reaper`` starts a process that stops them all if the driver dies without doing it: the
+tagged ones, and every process it saw descend from the driver (a process that rewrites its title,
+as Ray's agents do with ``setproctitle``, may overwrite the environment ``/proc`` shows, tag
+included; its ancestry still names the run).
 The sweeps never touch the current driver nor a process whose driver is alive and not this one
 (another live run in the same run dir: a warning, not a kill).
 
@@ -27,6 +30,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -45,6 +49,8 @@ SETTLE_S = 5.0
 """How long the run's processes have to exit on their own at its end before they are stopped."""
 PROC = Path("/proc")
 _DONE = b"done"
+LINEAGE_S = 1.0
+"""How often the reaper notes which processes descend from the driver."""
 _MP_HELPER = " -c from multiprocessing."
 _WANDB_SERVICE = "wandb-core"
 """In the name of multiprocessing's forkserver and resource tracker (and of the forkserver's children)."""
@@ -126,11 +132,43 @@ def stop_reaper(reaper: subprocess.Popen[bytes]) -> None:
 
 
 def reap(tag: str, driver: str) -> int:
-    """The reaper's work: wait until the driver is gone or done; if it is gone, stop what it left."""
-    if sys.stdin.buffer.read() == _DONE:
+    """The reaper's work: until the end of its stdin, note every ``LINEAGE_S`` the processes that
+    descend from the driver; at the end, if the driver is gone (no ``done``), stop what it left:
+    its tagged processes and the descendants it was seen with (still the same processes), though
+    they may have lost their parent (Ray's daemons die with the driver) or their tag."""
+    driver_pid = int(driver.partition("-")[0])
+    said, seen = b"", {}
+    while True:
+        if select.select([0], [], [], LINEAGE_S)[0]:
+            chunk = os.read(0, 64)
+            if chunk:
+                said += chunk
+                continue
+            break
+        seen.update(descendants(driver_pid))
+    if said == _DONE:
         return 0
-    terminate([p.pid for p in tagged_processes(tag) if p.driver == driver])
+    left = {p.pid for p in tagged_processes(tag) if p.driver == driver}
+    left |= {pid for pid, identity in seen.items() if _same_process(pid, identity)}
+    left.discard(os.getpid())
+    terminate(sorted(left))
     return 0
+
+
+def descendants(root: int) -> dict[int, str]:
+    """``pid -> driver_id`` of every running process below ``root`` (children, theirs, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir(PROC):
+        stat = _stat(int(entry)) if entry.isdigit() else None
+        if stat is not None:
+            children.setdefault(stat[2], []).append(int(entry))
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if (identity := driver_id(pid)) is not None:
+            found[pid] = identity
+        todo.extend(children.get(pid, []))
+    return found
 
 
 def tagged_processes(tag: str) -> list[TaggedProcess]:
