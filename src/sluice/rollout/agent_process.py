@@ -4,17 +4,18 @@
 parent; not ``multiprocessing``'s spawn either, which re-imports the parent's ``__main__``) that
 imports the agent by its path and runs episodes as tasks on its own event loop (a synchronous
 agent in the loop's thread pool). The parent sends ``(episode, base_url, key, row)`` down a pipe;
-the child builds an ``openai`` client on that ``base_url`` whose transport carries each call down
-the same pipe (``("call", id, path, authorization, body)``); the parent answers it through
+the child builds an ``openai`` client on that ``base_url`` whose calls go down the same pipe
+(``("call", id, path, authorization, body)``: plain ``chat.completions`` calls directly,
+``agent_client.py``, others through its transport); the parent answers it through
 ``AgentEndpoint.answer_later`` (the routing, validation, session and errors of the HTTP server)
 and sends ``("answer", id, status, payload)`` back. The child sends back each episode's return
 value or the ``repr`` of what it raised. ``cancel`` stops an episode's task (its timeout). Why:
 in the rollout worker's process the agents' CPU (the ``openai`` client builds and parses every
 call) held the GIL that the engine's decode loop needs between torch ops, so each engine step
 waited on agent code; over loopback HTTP the server's threads cost more than they saved
-(measured: ``docs/agentic.md``). The child imports nothing of sluice beyond this
-module and the agent's own imports; the parent's ``sys.path`` is its ``PYTHONPATH`` so the same agent path
-resolves. Not here: the endpoint and recording (``agent_endpoint.py``, ``agent_session.py``),
+(measured: ``docs/agentic.md``). The child imports nothing of sluice beyond this module, its
+transports and the agent's own imports; the parent's ``sys.path`` is its ``PYTHONPATH`` so the same
+agent path resolves. Not here: the endpoint and recording (``agent_endpoint.py``, ``agent_session.py``),
 timeouts and failure counting (``agent_runner.py``).
 """
 
@@ -147,6 +148,7 @@ def _child_main(fd: int, agent: str, threads: int) -> None:
     """The child: load the agent, then play what the parent sends until ``stop``."""
     import openai
 
+    from sluice.rollout.agent_client import direct_chat
     from sluice.rollout.agent_loader import load_agent
     from sluice.rollout.agent_transport import pipe_transports
 
@@ -169,12 +171,12 @@ def _child_main(fd: int, agent: str, threads: int) -> None:
         try:
             if inspect.iscoroutinefunction(fn):
                 client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=http["async"])
-                result = await fn(client, row)
+                result = await fn(direct_chat(openai, client, calls.call_async), row)
             else:
 
                 def run() -> Any:
                     sync = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=http["sync"])
-                    return fn(sync, row)
+                    return fn(direct_chat(openai, sync, answer=calls.call), row)
 
                 result = await loop.run_in_executor(None, run)
             send(("done", episode, True, result))

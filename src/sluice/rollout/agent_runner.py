@@ -2,7 +2,8 @@
 
 ``agentic.agent: package.module:run`` (or ``path/to/agent.py:run``) names a function ``run(client, row)``: ``client`` an
 ``openai`` client whose ``base_url`` is its episode's endpoint (``agent_endpoint.py``; its calls
-reach it without a socket, ``agent_transport.py``, unless ``transport="http"``), ``row`` the
+reach it without a socket, ``agent_transport.py``, plain ``chat.completions`` calls without the
+client's HTTP machinery, ``agent_client.py``, unless ``transport="http"``), ``row`` the
 dataset row (``prompt``, ``index`` and the row's fields). It returns the episode's reward, or
 ``None`` to leave it to the run's reward function, which then scores the last model turn's text.
 
@@ -32,6 +33,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from sluice.api import InferenceEngine, PromptItem, RewardFailure, RewardFn, Sample
+from sluice.rollout.agent_client import direct_chat
 from sluice.rollout.agent_endpoint import AgentEndpoint
 from sluice.rollout.agent_loader import load_agent
 from sluice.rollout.agent_process import AgentProcess
@@ -161,10 +163,14 @@ class AgentEpisodeRunner:
             client = self.openai.AsyncOpenAI(
                 base_url=base_url, api_key=key, max_retries=0, http_client=self._async_http
             )
+            if self.transport == "in_process":
+                client = direct_chat(self.openai, client, self.endpoint.answer_async)
             return await self.agent(client, row)
 
         def play() -> Any:
             client = self.openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=self._sync_http)
+            if self.transport == "in_process":
+                client = direct_chat(self.openai, client, answer=self.endpoint.answer)
             return self.agent(client, row)
 
         return await asyncio.get_running_loop().run_in_executor(None, play)
