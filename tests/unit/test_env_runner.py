@@ -232,3 +232,52 @@ def test_waiting_latency_is_a_gaussian_of_mean_and_deviation_mu_clipped_at_zero(
     assert min(draws) == 0.0 and 0.12 < clipped < 0.20  # P(N(1, 1) < 0) = 0.159
     assert 1.0 < statistics.mean(draws) < 1.2  # clipping raises the mean a little (1.083)
     assert waiting_latency(0.0, 1) == 0.0 and waiting_latency(1.0, 7) == waiting_latency(1.0, 7)
+
+
+class SlowAckQueue(AsyncLocalQueue):
+    """Stores a write at once and acknowledges it ``ack_s`` later (a remote store's round trip);
+    counts the queue calls."""
+
+    def __init__(self, queue, ack_s: float) -> None:
+        super().__init__(queue)
+        self.ack_s, self.calls = ack_s, 0
+
+    async def put(self, *args, **kwargs):
+        self.calls += 1
+        await super().put(*args, **kwargs)
+        await asyncio.sleep(self.ack_s)
+
+
+def _slow_ack_runner(factory, group_size, ack_s):
+    runner, queue = _runner(factory, group_size=group_size)
+    slow = SlowAckQueue(queue, ack_s)
+    runner.queue = slow
+    if hasattr(runner, "writer"):
+        runner.writer.queue = slow
+    return runner, queue, slow
+
+
+def test_episodes_ending_together_share_one_queue_write():
+    factory = EnvFactory(lambda n: {"delay_s": lambda step: 1.0})  # every episode ends at the same instant
+    runner, queue, slow = _slow_ack_runner(factory, group_size=4, ack_s=0.5)
+    (report,) = run_virtual(_wave(runner, [0]))
+    assert report.discard_reason is None and queue.stats()["rows"] == 4
+    assert slow.calls == 1 and runner.stats()["env_queue_puts"] == 4.0 and runner.stats()["env_queue_writes"] == 1.0
+
+
+def test_a_group_aborted_while_its_rows_are_being_written_leaves_none():
+    """The first episode's row is stored but not yet acknowledged when the group is aborted: it is
+    cleared with the group, not left in the queue."""
+    factory = EnvFactory(lambda n: {"delay_s": (lambda step: 0.5) if n == 0 else (lambda step: 100.0)})
+    runner, queue, slow = _slow_ack_runner(factory, group_size=2, ack_s=10.0)
+
+    async def run():
+        wave = asyncio.ensure_future(_wave(runner, [0]))
+        await asyncio.sleep(3.0)  # episode 0 ended at 1.5 s; its write is acknowledged at 11.5 s
+        assert queue.stats()["rows"] == 1
+        runner.abort_groups([0], "redundant")
+        return await wave
+
+    (report,) = run_virtual(run())
+    assert report.discard_reason == "redundant" and slow.calls == 1
+    assert queue.stats()["rows"] == 0 and runner.counts["episodes_group_aborted"] == 1

@@ -8,7 +8,9 @@ Each admitted group runs ``group_size + group_redundancy`` episodes, each its ow
   engine slot, so the engine serves the others' turns meanwhile. ``mode: barrier`` moves a wave's
   episodes in lockstep (all generate, all step, …): the baseline it is measured against;
 - **rows at once**: a finished episode's sample is written to the queue the moment it ends (its
-  reward is known then); a group reports as soon as its first ``group_size`` episodes finished;
+  reward is known then), group-committed with the others ending meanwhile (``GroupCommitWriter``:
+  one queue call for the episodes of one engine step); a group reports as soon as its first
+  ``group_size`` episodes finished;
 - **redundant environments**: the episodes still running when their group completes are aborted
   (requests stopped on the engines) and counted as ``episodes_aborted_straggler``; more groups
   than a step needs are the controller's ``redundant_groups`` (``num_env_groups``), whose surplus
@@ -38,6 +40,7 @@ from sluice.rollout.episode import EpisodeFailed, EpisodeRunner, TurnBarrier
 if TYPE_CHECKING:
     from sluice.rollout.agent_runner import AgentEpisodeRunner
 from sluice.rollout.group_tasks import GroupTasks
+from sluice.rollout.groups import GroupCommitWriter
 from sluice.telemetry.trace import SpanRecorder
 
 ENV_FAILURE = "env_failure"
@@ -66,6 +69,7 @@ class EnvRunner:
             raise ValueError(f"unknown env rollout mode {mode!r}; expected 'async' or 'barrier'")
         self.episodes = episodes
         self.queue = queue
+        self.writer = GroupCommitWriter(queue)
         self.group_size = group_size
         self.group_redundancy = group_redundancy
         self.mode = mode
@@ -107,6 +111,7 @@ class EnvRunner:
                 task.add_done_callback(lambda _: barrier.leave())
         self.counts["episodes_started"] += total
         kept: list[Sample] = []
+        writes: list[asyncio.Future[None]] = []  # one per kept sample: its row's write, under way
         failed = 0
         env_error = ""
         try:
@@ -122,16 +127,19 @@ class EnvRunner:
                         if total - failed < self.group_size:
                             break
                         continue
-                    await self._put(sample, len(kept))
+                    writes.append(asyncio.ensure_future(self._put(sample, len(kept))))
                     kept.append(sample)
                     if len(kept) == self.group_size:
                         break
         except asyncio.CancelledError:
             self.counts["episodes_group_aborted"] += len(kept)  # finished, but their group was stopped
             await self._stop(tasks, len(kept), "episodes_cancelled")
+            if writes:  # the kept rows land before they are cleared
+                await asyncio.wait(writes)
             await self._clear(group_id, len(kept))
             raise
         await self._stop(tasks, len(kept), "episodes_aborted_straggler")
+        await asyncio.gather(*writes)  # the group's rows are stored before it reports
         if len(kept) < self.group_size:
             self.counts["episodes_group_failed"] += len(kept)
             await self._clear(group_id, len(kept))
@@ -146,8 +154,10 @@ class EnvRunner:
         """Episode fates (each started episode has exactly one): ``kept``, ``finished_surplus``
         (finished with the group's last kept one), ``aborted_straggler``, ``env_timeout`` /
         ``env_error`` / ``engine_abort`` (failed), ``group_failed`` / ``group_aborted`` (finished,
-        but their group was discarded or stopped), ``cancelled`` (stopped with their group)."""
-        return {f"env_{k}": float(v) for k, v in (self.counts | self.episodes.stats()).items()}
+        but their group was discarded or stopped), ``cancelled`` (stopped with their group); and
+        ``queue_puts`` / ``queue_writes``: rows handed to the writer, queue calls that carried them."""
+        writes = {"queue_puts": self.writer.puts, "queue_writes": self.writer.writes}
+        return {f"env_{k}": float(v) for k, v in (self.counts | self.episodes.stats() | writes).items()}
 
     async def _stop(self, tasks: list[asyncio.Task[Sample]], kept: int, counter: str) -> None:
         """Cancel the episodes still running (their requests are aborted on the engines); count
@@ -165,7 +175,7 @@ class EnvRunner:
         _, columns, meta = samples_to_rows([sample], self.group_size)
         row = sample.group_id * self.group_size + position
         with self.tracer.span("queue_put", lane="queue", group=sample.group_id):
-            await self.queue.put([row], columns, [replace(meta[0], index=row)])
+            await self.writer.put([row], columns, [replace(meta[0], index=row)])
 
     async def _clear(self, group_id: int, written: int) -> None:
         if written:
