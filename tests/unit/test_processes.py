@@ -155,11 +155,13 @@ UNTAGGED_DRIVER = textwrap.dedent(
     import os, subprocess, sys, time
     sys.path.insert(0, {src!r})
     from sluice.controller.processes import tagged_run
+    bare = {{"PATH": os.environ["PATH"]}}  # what /proc shows of a process that overwrote its environment
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    before = subprocess.Popen(argv, env=bare, start_new_session=True)  # not the run's
+    time.sleep(0.05)  # a clock tick: /proc's start times count in 10 ms
     with tagged_run({run_dir!r}):
-        bare = {{"PATH": os.environ["PATH"]}}  # what /proc shows of a process that overwrote its environment
-        argv = [sys.executable, "-c", "import time; time.sleep(60)"]
         child = subprocess.Popen(argv, env=bare, start_new_session=True)
-        print(child.pid, flush=True)
+        print(before.pid, child.pid, flush=True)
         time.sleep(60)
     """
 )
@@ -167,21 +169,26 @@ UNTAGGED_DRIVER = textwrap.dedent(
 
 def test_the_reaper_stops_a_descendant_that_lost_its_tag(tmp_path):
     """Ray's agents overwrite the environment ``/proc`` shows when they set their title: the
-    reaper knows them as the driver's descendants."""
+    reaper knows them as the driver's descendants started during the run (one the driver
+    started before the run is left alone)."""
     script = UNTAGGED_DRIVER.format(src=SRC, run_dir=str(tmp_path))
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    before = child = None
     try:
-        child = int(driver.stdout.readline())
+        before, child = map(int, driver.stdout.readline().split())
         assert child not in {p.pid for p in tagged_processes(run_tag(tmp_path))}
         time.sleep(3 * processes.LINEAGE_S)  # the reaper has noted the child's ancestry
         driver.kill()
         driver.wait()
         _wait_until(lambda: driver_id(child) is None, "the reaper to stop the untagged child")
+        time.sleep(0.5)  # every SIGTERM of the reaper went out before the child died
+        assert driver_id(before) is not None
     finally:
         driver.kill()
         driver.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+        for pid in (before, child):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_the_first_signal_is_a_request_and_the_handlers_are_put_back():

@@ -133,11 +133,12 @@ def stop_reaper(reaper: subprocess.Popen[bytes]) -> None:
 
 def reap(tag: str, driver: str) -> int:
     """The reaper's work: until the end of its stdin, note every ``LINEAGE_S`` the processes that
-    descend from the driver; at the end, if the driver is gone (no ``done``), stop what it left:
-    its tagged processes and the descendants it was seen with (still the same processes), though
-    they may have lost their parent (Ray's daemons die with the driver) or their tag."""
-    driver_pid = int(driver.partition("-")[0])
-    said, seen = b"", {}
+    descend from the driver and started after the run did (what the driver ran before is not the
+    run's); at the end, if the driver is gone (no ``done``), stop what it left: its tagged
+    processes and the descendants it was seen with (still the same processes), though they may
+    have lost their parent (Ray's daemons die with the driver) or their tag."""
+    driver_pid, born = int(driver.partition("-")[0]), _started(os.getpid())
+    said, seen = b"", dict[int, str]()
     while True:
         if select.select([0], [], [], LINEAGE_S)[0]:
             chunk = os.read(0, 64)
@@ -145,7 +146,7 @@ def reap(tag: str, driver: str) -> int:
                 said += chunk
                 continue
             break
-        seen.update(descendants(driver_pid))
+        seen.update((pid, who) for pid, who in descendants(driver_pid).items() if _started(pid) >= born)
     if said == _DONE:
         return 0
     left = {p.pid for p in tagged_processes(tag) if p.driver == driver}
@@ -311,6 +312,12 @@ def _stat(pid: int) -> tuple[str, str, int] | None:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
     return fields[0], fields[19], int(fields[1])
+
+
+def _started(pid: int) -> int:
+    """The start time of ``pid`` in clock ticks since boot (-1 if it is gone)."""
+    stat = _stat(pid)
+    return -1 if stat is None else int(stat[1])
 
 
 def _parent(pid: int) -> int | None:
