@@ -146,7 +146,7 @@ def reap(tag: str, driver: str) -> int:
                 said += chunk
                 continue
             break
-        seen.update((pid, who) for pid, who in descendants(driver_pid).items() if _started(pid) >= born)
+        seen.update(descendants(driver_pid, since=born))
     if said == _DONE:
         return 0
     left = {p.pid for p in tagged_processes(tag) if p.driver == driver}
@@ -156,18 +156,22 @@ def reap(tag: str, driver: str) -> int:
     return 0
 
 
-def descendants(root: int) -> dict[int, str]:
-    """``pid -> driver_id`` of every running process below ``root`` (children, theirs, ...)."""
+def descendants(root: int, since: int = 0) -> dict[int, str]:
+    """``pid -> driver_id`` of every running process below ``root`` (children, theirs, ...)
+    started at or after clock tick ``since``; one read of ``/proc/<pid>/stat`` per process."""
     children: dict[int, list[int]] = {}
+    stats = {}
     for entry in os.listdir(PROC):
         stat = _stat(int(entry)) if entry.isdigit() else None
         if stat is not None:
+            stats[int(entry)] = stat
             children.setdefault(stat[2], []).append(int(entry))
     found, todo = {}, list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        if (identity := driver_id(pid)) is not None:
-            found[pid] = identity
+        state, start, _ = stats[pid]
+        if state not in "ZX" and int(start) >= since:
+            found[pid] = f"{pid}-{start}"
         todo.extend(children.get(pid, []))
     return found
 

@@ -24,6 +24,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from sluice.rollout.agent_transport import httpx_module
+
 Answer = tuple[int, dict[str, Any]]
 CLIENT_ONLY = ("stream", "extra_headers", "extra_query", "extra_body", "timeout")
 """Arguments only the client's own path handles (their presence sends the call there)."""
@@ -55,7 +57,7 @@ def direct_chat(
     def result(status: int, payload: dict[str, Any]) -> Any:
         if status == 200:
             return openai.types.chat.ChatCompletion.model_validate(payload)
-        httpx = _httpx(openai)
+        httpx = httpx_module(openai)
         request = httpx.Request("POST", client.base_url.join("chat/completions"))
         raise client._make_status_error_from_response(httpx.Response(status, json=payload, request=request))
 
@@ -80,9 +82,3 @@ def direct_chat(
 
         completions.create = create
     return client
-
-
-def _httpx(openai: Any) -> Any:
-    from sluice.rollout.agent_transport import httpx_module
-
-    return httpx_module(openai)
