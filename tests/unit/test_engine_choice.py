@@ -36,9 +36,12 @@ def test_hf_is_the_default_and_unknown_names_fail(model_dir: Path) -> None:
 def test_engine_options_come_from_their_section_in_either_mode(model_dir: Path) -> None:
     cfg = load_config(None, ["rollout.engine=vllm", "vllm.kv_cache_mb=64", "vllm.dtype=bfloat16"])
     assert cfg.engine_options()["kv_cache_mb"] == 64 and cfg.engine_options()["dtype"] == "bfloat16"
-    assert load_config(None, []).engine_options() == {"dtype": "float32", "reprefill": True}
-    stale = load_config(None, ["rollout.reprefill=false"]).engine_options()
-    assert build_inference_engine("hf", model_dir, max_batch=3, options=stale).reprefill is False
+    assert load_config(None, []).engine_options() == {"dtype": "float32", "reprefill": True, "session_cache_mib": 256}
+    stale = load_config(None, ["rollout.reprefill=false", "rollout.session_cache_mib=0"]).engine_options()
+    built = build_inference_engine("hf", model_dir, max_batch=3, options=stale)
+    assert built.reprefill is False and built.stats().get("session_kept") is None  # no session cache
+    kept = load_config(None, ["rollout.session_cache_mib=8"]).engine_options()
+    assert build_inference_engine("hf", model_dir, max_batch=3, options=kept).stats()["session_kept"] == 0
     with pytest.raises(ValueError, match=r"rollout\.reprefill: false needs rollout\.engine: hf"):
         load_config(None, ["rollout.engine=vllm", "rollout.reprefill=false"])
     bf16 = load_config(None, ["rollout.dtype=bfloat16"]).engine_options()

@@ -32,6 +32,9 @@ class GenerationRequest:
 
     ``affinity`` names requests that would rather share a replica (the samples of one prompt:
     prefix sharing); a router may honour it (``LLMProxy`` without prompt replication) or not.
+    ``session`` names the multi-turn episode the request is a turn of: an engine may keep this
+    turn's KV cache for the session's next request, whose prompt extends it (the built-in engine's
+    ``rollout.session_cache_mib``).
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class GenerationRequest:
     params: SamplingParams
     seed: int = 0
     affinity: str | None = None
+    session: str | None = None
 
 
 @dataclass(frozen=True)

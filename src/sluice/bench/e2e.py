@@ -19,10 +19,11 @@ includes OpenMP workers spinning while they wait, so its bound is not a floor).
 
 ``--workload`` picks what is trained: ``default`` (the config as given), or a waiting-bound one
 (ROLL Flash's simulated-environment setting): ``agentic-wait`` (the calculator task, every env
-step waiting μ ± μ seconds: ``agentic.env_latency_s``) and ``reward-wait`` (every reward call
-waiting so: ``reward.latency_s``), where μ is **measured**: the median wall time of one generation
-turn of that task here (a short sync pilot run without the wait; the proxy's
-``request_s_median``), printed and kept in the JSON. Those rows are sync and async η = 1, 2, 4.
+step waiting μ ± μ seconds: ``agentic.env_latency_s``; weight loads keep running rows' and kept
+turns' caches, ``rollout.reprefill: false``, which only the async rows can notice) and
+``reward-wait`` (every reward call waiting so: ``reward.latency_s``), where μ is **measured**: the
+median wall time of one generation turn of that task here (a short sync pilot run without the
+wait; the proxy's ``request_s_median``), printed and kept in the JSON. Those rows are sync and async η = 1, 2, 4.
 Prints a table and writes JSON. It measures; it asserts nothing.
 """
 
@@ -59,7 +60,7 @@ DEFAULT_VARIANTS = ["sync", "stream η=0", "async η=1", "async η=4", "async η
 WAIT_VARIANTS = ["sync", "async η=1", "async η=2", "async η=4"]
 WORKLOADS: dict[str, tuple[list[str], str | None]] = {
     "default": ([], None),
-    "agentic-wait": (["task.name=calculator"], "agentic.env_latency_s"),
+    "agentic-wait": (["task.name=calculator", "rollout.reprefill=false"], "agentic.env_latency_s"),
     "reward-wait": ([], "reward.latency_s"),
 }
 """Workload -> (its overrides, the option its measured wait μ goes to; ``None``: no wait)."""

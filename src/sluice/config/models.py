@@ -70,6 +70,13 @@ class RolloutConfig(_Section):
     log-probs they were sampled with, which the off-policy losses correct for. Built-in engine
     (``engine: hf``) only."""
 
+    session_cache_mib: int = Field(default=256, ge=0)
+    """Memory the built-in engine (``engine: hf``) may hold for the KV caches finished turns of
+    multi-turn episodes leave: an episode's next turn then computes only its new tokens (the last
+    answer token and the observation) instead of its whole history, when no weight load came
+    between (counted ``session_hits``, ``session_hit_tokens``). Least recently kept first out.
+    0: off (every turn prefills its whole context). vLLM has its own prefix caching."""
+
     @model_validator(mode="after")
     def _reprefill_engine(self) -> RolloutConfig:
         if not self.reprefill and self.engine != "hf":
@@ -284,4 +291,5 @@ class SluiceConfig(_Section):
             return self.vllm.model_dump()
         if self.rollout.engine == "sglang":
             return self.sglang.model_dump()
-        return {"dtype": self.rollout.dtype, "reprefill": self.rollout.reprefill}
+        r = self.rollout
+        return {"dtype": r.dtype, "reprefill": r.reprefill, "session_cache_mib": r.session_cache_mib}

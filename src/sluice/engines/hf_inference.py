@@ -3,11 +3,11 @@
 ``HFInferenceEngine`` implements ``InferenceEngine`` for full-attention ``AutoModelForCausalLM``
 models (Llama, Qwen2, ...); the default RL loop generates with it on CPU. Each ``step()`` is
 deterministic (no clock): drop rows aborted since the last step; admit waiting requests (FIFO) up
-to ``max_batch``, prefilling each distinct prompt once and sampling their first token from the
-prefill logits; then one decode step for all running rows. The running batch shares one
-right-aligned, preallocated KV cache (``kv_batch.py``: no whole-cache copy per step); sampling
-is counter-based per sample (``sampling.py``), so a sample's tokens do not depend on its batch
-neighbours.
+to ``max_batch``, prefilling each distinct prompt once (a multi-turn session's next prompt: only
+its new tokens, over the cache its previous turn left, ``session_cache.py``) and sampling their
+first token from the prefill logits; then one decode step for all running rows. The running
+batch shares one right-aligned, preallocated KV cache (``kv_batch.py``); sampling is
+counter-based per sample (``sampling.py``): a sample's tokens do not depend on its neighbours.
 
 Weight updates (DESIGN.md "Versions and staleness"), always applied between two steps:
 
@@ -20,8 +20,7 @@ Weight updates (DESIGN.md "Versions and staleness"), always applied between two 
 - ``defer`` (AsyncFlow's delayed update): copy the weights into a host buffer and return; stop
   admitting; running rows finish on the old weights (drain); then swap, set the version and
   resume admission. A newer update replaces a staged one. Drain time is counted in ``stats()``.
-- ``staggered``: one engine is one replica, so it acts like ``defer``; staggering the swap
-  across replicas (generation never stops) belongs to the LLMProxy.
+- ``staggered``: one engine is one replica, so it acts like ``defer`` (the LLMProxy staggers).
 
 Not thread-safe: call ``update_weights`` from the thread that runs ``step()`` (the event loop
 in the async driver). Deliberately not here: paged KV, chunked prefill, speculative decoding.
@@ -46,9 +45,10 @@ from transformers import PreTrainedModel
 from sluice.api.protocols import WeightUpdateMode
 from sluice.api.types import Completion, FinishReason, GenerationRequest
 from sluice.engines.arrival_hold import ArrivalHold
-from sluice.engines.hf_model import load_causal_lm
+from sluice.engines.hf_model import check_state_names, load_causal_lm, stage_weights
 from sluice.engines.kv_batch import Rows, prefill
 from sluice.engines.sampling import sample_tokens, seed_key, uniforms
+from sluice.engines.session_cache import SessionCache, continue_prefill
 
 __all__ = ["HFInferenceEngine", "sample_tokens"]
 
@@ -62,6 +62,7 @@ class _Seq:
     request: GenerationRequest
     future: Future[Completion]
     order: int  # submission number: rows finishing in one step resolve in this order
+    version: int = -1  # the weights version its KV cache was computed with
 
 
 @dataclass
@@ -85,6 +86,7 @@ class HFInferenceEngine:
         device: str | None = None,
         admit_fraction: float = 0.25,
         reprefill: bool = True,
+        session_cache_mib: int = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -107,9 +109,9 @@ class HFInferenceEngine:
         self._wake: asyncio.Event | None = None
         self._staged: _Staged | None = None
         self._host: dict[str, Tensor] = {}  # reusable staging buffers (pinned on CUDA)
-        self._drain_s = 0.0
-        self._drive_s = 0.0
+        self._drain_s = self._drive_s = 0.0
         self._hold: ArrivalHold | None = None
+        self._sessions = SessionCache(session_cache_mib << 20) if session_cache_mib > 0 else None  # turns' KV
         self._activated_at = time.time()
         counters = ("generated_tokens", "prefill_tokens", "prefills", "reprefill_tokens", "steps", "weight_updates")
         self._counts = dict.fromkeys((*counters, "stale_cache_rows", "weight_updates_superseded"), 0)
@@ -121,8 +123,7 @@ class HFInferenceEngine:
 
     async def generate(self, request: GenerationRequest) -> Completion:
         """Queue ``request`` and await its completion (cancelling the await aborts it)."""
-        future = self.submit(request)
-        self._ensure_driver()
+        future, _ = self.submit(request), self._ensure_driver()
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
@@ -150,14 +151,14 @@ class HFInferenceEngine:
         when none run). A newer update replaces a staged one."""
         if mode not in _MODES:
             raise ValueError(f"unknown weight update mode {mode!r}; expected one of {_MODES}")
-        self._check_weights(weights)
+        check_state_names(self.model, weights)
         staged, self._staged = self._staged, None
         if staged is not None:
             self._counts["weight_updates_superseded"] += 1
         if mode == "interrupt":
             if staged is not None:  # admission was stopped since it was staged
                 self._drain_s += time.perf_counter() - staged.since
-            self._load(weights, version)
+            self._load(weights, version, keep_sessions=not self.reprefill)
             if self._rows is not None and self.reprefill:
                 with torch.inference_mode():
                     self._reprefill(self._rows)
@@ -165,7 +166,7 @@ class HFInferenceEngine:
                 self._counts["stale_cache_rows"] += len(self._rows.seqs)
             return
         since = staged.since if staged is not None else time.perf_counter()
-        self._staged = _Staged(self._stage(weights), version, since)
+        self._staged = _Staged(stage_weights(self._host, weights, self.device), version, since)
         self._swap_if_drained()
 
     def expect_requests(self, expected: Callable[[], float], hold: float) -> None:
@@ -177,16 +178,16 @@ class HFInferenceEngine:
         """Counters plus weight-sync state: ``version``, ``pending_version`` (-1: none staged),
         ``stale_cache_rows`` (rows an ``interrupt`` load left decoding over an older cache: ``reprefill=False``),
         ``weight_updates`` (loads), ``weight_updates_superseded`` (staged ones replaced by newer),
-        ``weight_drain_s`` (cumulative seconds admission stood still for a staged update),
-        ``drive_s`` (wall seconds of driven iterations: a step plus whatever else the event loop's
-        thread ran before the next one, so ``drive_s / steps`` is the engine's effective
-        iteration time in its process; waits for expected requests not included), ``holds`` /
+        ``weight_drain_s`` (cumulative seconds admission stood still for a staged update), ``session_*``
+        (``session_cache.py``), ``drive_s`` (wall seconds of driven iterations: a step plus whatever
+        else the event loop's thread ran before the next one, so ``drive_s / steps`` is the engine's
+        effective iteration time; waits for expected requests not included), ``holds`` /
         ``hold_s`` (steps that waited for them, seconds waited) and ``version_activated_at``
         (``time.time()`` when the current version became active)."""
-        running = len(self._rows.seqs) if self._rows is not None else 0
-        pending = self._staged.version if self._staged is not None else -1
+        running, pending = len(self._rows.seqs) if self._rows else 0, self._staged.version if self._staged else -1
         counts = {"running": running, "waiting": len(self._waiting), **self._counts, "version": self.version}
         extra = {
+            **(self._sessions.counts if self._sessions is not None else {}),
             "pending_version": pending,
             "weight_drain_s": self._drain_s,
             "drive_s": self._drive_s,
@@ -239,33 +240,15 @@ class HFInferenceEngine:
             self._swap_if_drained()
         self._counts["steps"] += 1
 
-    def _check_weights(self, weights: Mapping[str, Tensor]) -> None:
-        state = self.model.state_dict()
-        unknown = sorted(set(weights) - set(state))
-        bad = [n for n, w in weights.items() if n in state and w.shape != state[n].shape]
-        covered = {state[n].data_ptr() for n in weights if n in state}
-        missing = [n for n, p in self.model.named_parameters() if p.data_ptr() not in covered]
-        problems = [("unknown names", unknown), ("missing parameters", missing), ("shape mismatch", bad)]
-        if any(names for _, names in problems):
-            detail = "; ".join(f"{what} {names[:5]} ({len(names)})" for what, names in problems if names)
-            raise ValueError(f"update_weights: {detail}")
-
-    def _stage(self, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Copy ``weights`` into the reusable host buffers (pinned when the model is on CUDA)."""
-        for name, w in weights.items():
-            buf = self._host.get(name)
-            if buf is None or buf.shape != w.shape or buf.dtype != w.dtype:
-                buf = torch.empty(w.shape, dtype=w.dtype, pin_memory=self.device.type == "cuda")
-                self._host[name] = buf
-            buf.copy_(w.detach())
-        return {name: self._host[name] for name in weights}
-
-    def _load(self, weights: Mapping[str, Tensor], version: int) -> None:
+    def _load(self, weights: Mapping[str, Tensor], version: int, keep_sessions: bool = False) -> None:
+        """Load ``version``; kept turns stay only if running rows keep their older cache too."""
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in weights.items():
                 state[name].copy_(tensor)
         logger.debug("weights v%d -> v%d", self.version, version)
+        if self._sessions is not None and not keep_sessions:  # else: an interrupt without re-prefill
+            self._sessions.clear()
         self.version = version
         self._counts["weight_updates"] += 1
         self._activated_at = time.time()
@@ -283,6 +266,8 @@ class HFInferenceEngine:
         sequences = rows.cached_tokens([s.request.prompt_ids for s in rows.seqs])
         cache, mask, _, computed = prefill(self.model, sequences)
         rows.replace_cache(cache, mask)
+        for seq in rows.seqs:
+            seq.version = self.version
         self._counts["reprefill_tokens"] += computed
 
     def _admit(self) -> None:
@@ -297,15 +282,29 @@ class HFInferenceEngine:
         if running and free < min(len(self._waiting), self._admit_batch):
             return
         new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        cache, mask, logits, computed = prefill(self.model, [s.request.prompt_ids for s in new])
-        self._counts["prefill_tokens"] += computed
-        self._counts["prefills"] += len({len(s.request.prompt_ids) for s in new})  # one forward per length
-        keys = [seed_key(s.request.seed) for s in new]
-        fresh = Rows.start(new, [s.request.params for s in new], keys, cache, mask)
-        done, stopped = self._advance(fresh, logits)
-        kept = self._retire(fresh, done, stopped)
-        if kept is not None:
-            self._rows = kept if self._rows is None else self._rows.extend(kept)
+        for seq in new:
+            seq.version = self.version  # the weights its cache is computed with
+        for seqs, (cache, mask, logits, computed) in self._prefills(new):
+            self._counts["prefill_tokens"] += computed
+            keys = [seed_key(s.request.seed) for s in seqs]
+            fresh = Rows.start(seqs, [s.request.params for s in seqs], keys, cache, mask)
+            done, stopped = self._advance(fresh, logits)
+            kept = self._retire(fresh, done, stopped)
+            if kept is not None:
+                self._rows = kept if self._rows is None else self._rows.extend(kept)
+
+    def _prefills(self, new: list[_Seq]) -> list[tuple[list[_Seq], tuple[Any, Tensor, Tensor, int]]]:
+        """Prefill forwards for ``new``: prompts extending their session's kept turn compute only
+        their new tokens (one forward for all); the rest one forward per distinct prompt length."""
+        turns = [self._sessions.take(s.request.session, s.request.prompt_ids) if self._sessions else None for s in new]
+        hits = [(s, t) for s, t in zip(new, turns, strict=True) if t]
+        fresh = [s for s, t in zip(new, turns, strict=True) if not t]
+        self._counts["prefills"] += len({len(s.request.prompt_ids) for s in fresh}) + bool(hits)  # forwards
+        parts = [(fresh, prefill(self.model, [s.request.prompt_ids for s in fresh]))] if fresh else []
+        if hits:
+            prompts = [s.request.prompt_ids for s, _ in hits]
+            parts.append(([s for s, _ in hits], continue_prefill(self.model, [t for _, t in hits], prompts)))
+        return parts
 
     def _decode(self) -> None:
         rows = self._rows
@@ -345,6 +344,10 @@ class HFInferenceEngine:
         tokens, logprobs = rows.out_tok[idx].tolist(), rows.out_lp[idx].tolist()
         versions, lengths = rows.out_ver[idx].tolist(), rows.ngen[idx].tolist()
         flags = stopped[idx].tolist() if stopped is not None else [None] * len(lengths)
+        if self._sessions is not None and stopped is not None:  # their sessions' next turns may reuse the cache
+            ends = [(i, tuple(t[: n - 1])) for i, t, n in zip(idx.tolist(), tokens, lengths, strict=True)]
+            fresh = [(i, t) for i, t in ends if not self.reprefill or rows.seqs[i].version == self.version]
+            self._sessions.keep_rows(rows, fresh)
         finished = list(zip(idx.tolist(), tokens, logprobs, versions, lengths, flags, strict=True))
         for i, tok, lp, ver, n, flag in sorted(finished, key=lambda f: rows.seqs[f[0]].order):
             reason: FinishReason = "abort" if flag is None else "stop" if flag else "length"

@@ -7,6 +7,7 @@ It never downloads (``local_files_only``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,33 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreT
     except (OSError, ValueError) as err:
         raise ModelPathError(f"model.path: cannot load a causal LM from {p}: {err}") from None
     return model
+
+
+def check_state_names(model: PreTrainedModel, weights: Mapping[str, torch.Tensor]) -> None:
+    """Refuse an update whose names or shapes do not cover ``model``'s parameters exactly (tied
+    aliases count once)."""
+    state = model.state_dict()
+    unknown = sorted(set(weights) - set(state))
+    bad = [n for n, w in weights.items() if n in state and w.shape != state[n].shape]
+    covered = {state[n].data_ptr() for n in weights if n in state}
+    missing = [n for n, p in model.named_parameters() if p.data_ptr() not in covered]
+    problems = [("unknown names", unknown), ("missing parameters", missing), ("shape mismatch", bad)]
+    if any(names for _, names in problems):
+        detail = "; ".join(f"{what} {names[:5]} ({len(names)})" for what, names in problems if names)
+        raise ValueError(f"update_weights: {detail}")
+
+
+def stage_weights(
+    host: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Copy ``weights`` into the reusable host buffers ``host`` (pinned when ``device`` is CUDA)."""
+    for name, w in weights.items():
+        buf = host.get(name)
+        if buf is None or buf.shape != w.shape or buf.dtype != w.dtype:
+            buf = torch.empty(w.shape, dtype=w.dtype, pin_memory=device.type == "cuda")
+            host[name] = buf
+        buf.copy_(w.detach())
+    return {name: host[name] for name in weights}
 
 
 def worker_device() -> torch.device:

@@ -65,7 +65,9 @@ class _Slab:
 
     def reserve(self, rows: int, width: int, room: int) -> None:
         """Room for ``rows`` rows, ``width`` columns ending at ``end``, and ``room`` columns after it;
-        reallocates (one copy) only when the spare rows / columns run out."""
+        reallocates (one copy) only when the spare rows / columns run out, then with spare rows
+        (half again), columns before (a quarter of the width) and after (the width): decode steps
+        add a column each and rows join and leave all the time, so a copy is paid rarely."""
         cols, (cap_rows, cap_cols) = self.end - self.start, self.bufs[-1].shape
         grow = max(0, width - cols)
         if rows <= cap_rows and grow <= self.start and self.end + room <= cap_cols:
@@ -74,10 +76,11 @@ class _Slab:
             self.start -= grow
             return
         width = max(width, cols)
-        new = [self._alloc(b, max(rows, cap_rows), width + max(room, _ROOM)) for b in self.bufs]
+        lead, rows = width // 4, rows if rows <= cap_rows else max(rows, cap_rows + cap_rows // 2)
+        new = [self._alloc(b, max(rows, cap_rows), lead + width + max(room, _ROOM, width)) for b in self.bufs]
         for old, buf in zip(self.bufs, new, strict=True):
-            _cols(buf, width - cols, width)[: self.n].copy_(_cols(old, self.start, self.end)[: self.n])
-        self.bufs, self.start, self.end = new, 0, width
+            _cols(buf, lead + width - cols, lead + width)[: self.n].copy_(_cols(old, self.start, self.end)[: self.n])
+        self.bufs, self.start, self.end = new, lead, lead + width
 
 
 class _SlabLayer(DynamicLayer):

@@ -254,7 +254,14 @@ class AgentSession:
         self._pending.add(request_id)
         try:
             completion = await self.engine.generate(
-                GenerationRequest(request_id, prompt, params, seed=seed, affinity=f"g{self.group_id}-e{self.k}")
+                GenerationRequest(
+                    request_id,
+                    prompt,
+                    params,
+                    seed=seed,
+                    affinity=f"g{self.group_id}-e{self.k}",
+                    session=f"{self.tag}{self.group_id}-e{self.k}",
+                )
             )
         except asyncio.CancelledError:
             self.engine.abort(request_id)

@@ -129,7 +129,7 @@ class EpisodeRunner:
                     break
                 if barrier is not None:
                     await barrier.wait()
-                completion = await self._generate(traj, budget, f"{tag}{group_id}-e{k}-t{turn}", group_id, k, turn)
+                completion = await self._generate(traj, budget, f"{tag}{group_id}-e{k}", group_id, k, turn)
                 action = self.decode(list(completion.token_ids))
                 traj.add_model_turn(completion, self.turn_end_ids, action)
                 if barrier is not None:
@@ -162,11 +162,16 @@ class EpisodeRunner:
         """Nothing to release (environments close with their episodes)."""
 
     async def _generate(
-        self, traj: Trajectory, budget: int, request_id: str, group_id: int, k: int, turn: int
+        self, traj: Trajectory, budget: int, episode: str, group_id: int, k: int, turn: int
     ) -> Completion:
+        """Turn ``turn`` of ``episode``: a request of the episode's session (its engine may reuse the
+        cache of the previous turn, whose tokens its context extends)."""
         params = SamplingParams(budget, self.params.temperature, self.params.top_p, self.params.stop_token_ids)
         seed = sample_seed(self.run_seed, group_id, k * 1009 + turn)
-        request = GenerationRequest(request_id, traj.context, params, seed=seed, affinity=f"g{group_id}-e{k}")
+        request_id = f"{episode}-t{turn}"
+        request = GenerationRequest(
+            request_id, traj.context, params, seed=seed, affinity=f"g{group_id}-e{k}", session=episode
+        )
         try:
             completion = await self.engine.generate(request)
         except asyncio.CancelledError:

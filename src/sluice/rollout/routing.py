@@ -95,4 +95,5 @@ def continuation(request: GenerationRequest, tokens: Sequence[int]) -> Generatio
         rest,
         seed=sample_seed(request.seed, len(tokens), 1),
         affinity=request.affinity,
+        session=request.session,
     )
