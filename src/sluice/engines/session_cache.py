@@ -6,8 +6,10 @@ but the last, which was never fed). When the session's next request arrives unde
 weights and its prompt extends exactly those tokens, ``continue_prefill`` computes only the new
 tokens (the last answer token and the observation) over the kept cache instead of prefilling the
 whole history again; whatever does not match is prefilled in full as before. Entries leave when
-taken, least recently kept first once they exceed ``max_bytes``, and all at once when the engine
-loads new weights (a cache older weights computed is never reused).
+taken, least recently kept first once they exceed ``max_bytes`` (a kept turn is a view of the one
+copy its finishing batch made), and all at once when the engine loads new weights, unless its
+running rows keep their older caches too (``reprefill=False``, PipelineRL), where a kept turn is
+treated like a running row.
 
 Not here: scheduling, sampling and the running rows' slab (``hf_inference.py``, ``kv_batch.py``),
 and prefix sharing across sessions (the samples of one prompt share their first prefill already).
