@@ -73,9 +73,10 @@ class RolloutConfig(_Section):
     session_cache_mib: int = Field(default=256, ge=0)
     """Memory the built-in engine (``engine: hf``) may hold for the KV caches finished turns of
     multi-turn episodes leave: an episode's next turn then computes only its new tokens (the last
-    answer token and the observation) instead of its whole history, when no weight load came
-    between (counted ``session_hits``, ``session_hit_tokens``). Least recently kept first out.
-    0: off (every turn prefills its whole context). vLLM has its own prefix caching."""
+    answer token and the observation) instead of its whole history (counted ``session_hits``,
+    ``session_hit_tokens``). A weight load drops them, except with ``reprefill: false``, which keeps
+    them as it keeps the running rows' caches. Least recently kept first out. 0: off (every turn
+    prefills its whole context). vLLM has its own prefix caching."""
 
     @model_validator(mode="after")
     def _reprefill_engine(self) -> RolloutConfig:
