@@ -345,9 +345,8 @@ class HFInferenceEngine:
         versions, lengths = rows.out_ver[idx].tolist(), rows.ngen[idx].tolist()
         flags = stopped[idx].tolist() if stopped is not None else [None] * len(lengths)
         if self._sessions is not None and stopped is not None:  # their sessions' next turns may reuse the cache
-            ends = [(i, tuple(t[: n - 1])) for i, t, n in zip(idx.tolist(), tokens, lengths, strict=True)]
-            fresh = [(i, t) for i, t in ends if not self.reprefill or rows.seqs[i].version == self.version]
-            self._sessions.keep_rows(rows, fresh)
+            ends = zip(idx.tolist(), tokens, lengths, strict=True)
+            self._sessions.keep_rows(rows, ends, self.version if self.reprefill else None)
         finished = list(zip(idx.tolist(), tokens, logprobs, versions, lengths, flags, strict=True))
         for i, tok, lp, ver, n, flag in sorted(finished, key=lambda f: rows.seqs[f[0]].order):
             reason: FinishReason = "abort" if flag is None else "stop" if flag else "length"

@@ -18,7 +18,7 @@ and prefix sharing across sessions (the samples of one prompt share their first 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,21 +68,27 @@ class SessionCache:
             self._pop(next(iter(self._turns)))
             self.counts["session_dropped"] += 1
 
-    def keep_rows(self, rows: Rows, ends: Sequence[tuple[int, tuple[int, ...]]]) -> None:
-        """Keep finishing rows of a running batch whose request names a session: ``ends`` holds
-        (row, its generated tokens but the last). Each keeps only its own columns (from its first
-        token; pad columns inside it, left by ``continue_prefill``, are dropped), so a later turn
-        is not as wide as the batch it left."""
-        ends = [(i, gen) for i, gen in ends if rows.seqs[i].request.session]
-        if not ends:
+    def keep_rows(self, rows: Rows, ends: Iterable[tuple[int, list[int], int]], version: int | None) -> None:
+        """Keep the finishing rows ``ends`` (row, generated tokens, their count) of a running batch
+        whose request names a session and, unless ``version`` is None, whose cache that version
+        computed. A kept turn holds the prompt and every generated token but the last, and only
+        its own columns (from its first token; pad columns inside it, left by ``continue_prefill``,
+        are dropped), so a later turn is not as wide as the batch it left."""
+        seqs = rows.seqs
+        keep = [
+            (i, tuple(tokens[: n - 1]))
+            for i, tokens, n in ends
+            if seqs[i].request.session and (version is None or seqs[i].version == version)
+        ]
+        if not keep:
             return
-        at = torch.tensor([i for i, _ in ends], device=rows.mask.device)
+        at = torch.tensor([i for i, _ in keep], device=rows.mask.device)
         kv = [layer.keys.index_select(0, at) for layer in rows.cache.layers]
         kv += [layer.values.index_select(0, at) for layer in rows.cache.layers]
         mask = rows.mask.index_select(0, at)
         starts = mask.argmax(1)
         first, whole = starts.tolist(), (mask.sum(1) == mask.shape[1] - starts).tolist()
-        for j, (i, gen) in enumerate(ends):
+        for j, (i, gen) in enumerate(keep):
             if whole[j]:
                 turn_kv, turn_mask = tuple(t[j, :, first[j] :] for t in kv), mask[j, first[j] :]
             else:
@@ -139,12 +145,8 @@ def continue_prefill(
     new_mask = torch.tensor(
         [[0] * (width - len(s)) + [1] * len(s) for s in suffixes], dtype=past_mask.dtype, device=device
     )
-    kept = torch.tensor([len(t.tokens) for t in turns], device=device)
-    positions = (
-        kept.unsqueeze(1)
-        + torch.arange(width, device=device)
-        - (width - torch.tensor([len(s) for s in suffixes], device=device)).unsqueeze(1)
-    ).clamp(min=0)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)  # each row's last position + 1
+    positions = (lengths.unsqueeze(1) - width + torch.arange(width, device=device)).clamp(min=0)
     mask = torch.cat([past_mask, new_mask], dim=1)
     out = model(
         input_ids=ids,
