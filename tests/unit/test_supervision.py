@@ -127,29 +127,39 @@ def test_a_worker_that_computes_is_progress_though_the_loop_waits_on_it():
     assert asyncio.run(supervised(one_long_step(), Watchdog(TIMEOUT, [trainer], lambda: still[0]))) == "stepped"
 
 
-def test_a_reset_direct_queue_connection_names_the_storage_unit(tmp_path):
-    """A storage unit's death can reach the driver as a worker's failed direct call to it (the
+@pytest.mark.parametrize(
+    ("served", "role"),
+    [("StorageActor", "queue storage unit"), ("ControllerActor", "queue controller"), ("Other", "queue actor")],
+)
+def test_a_reset_direct_queue_connection_names_the_actor_serving_it(tmp_path, served, role):
+    """A queue actor's death can reach the driver as a worker's failed direct call to it (the
     same-node socket transport), inside a Ray task error, not as a Ray actor error: it still gets
-    its one line."""
+    its one line, naming the actor the socket belonged to (its class is in the socket's name)."""
+    import pickle
     import threading
     from multiprocessing.connection import Listener
 
     from ray.exceptions import RayTaskError
 
     from sluice.controller.ray_supervision import explain_death
-    from sluice.queue.direct import StorageUnreachable, call
+    from sluice.queue.direct import PREFIX, PeerUnreachable, call
 
-    address = str(tmp_path / "unit.sock")
-    with Listener(address, family="AF_UNIX") as listener:  # a unit that dies as the call arrives
+    address = str(tmp_path / f"{PREFIX}123-0-{served}.sock")
+    with Listener(address, family="AF_UNIX") as listener:  # an actor that dies as the call arrives
         dying = threading.Thread(target=lambda: listener.accept().close())
         dying.start()
-        with pytest.raises(StorageUnreachable) as failed:
+        with pytest.raises(PeerUnreachable) as failed:
             call(address, "get", 1)
         dying.join()
-    remote = RayTaskError("step", "traceback", failed.value).as_instanceof_cause()  # as the driver meets it
+    crossed = pickle.loads(pickle.dumps(failed.value))  # as it leaves the worker's process
+    assert crossed.address == address and crossed.served == served
+    remote = RayTaskError("step", "traceback", crossed).as_instanceof_cause()  # as the driver meets it
     wrapped = RuntimeError("a step failed")
     wrapped.__cause__ = remote
     stopped = explain_death(wrapped, {})
-    assert stopped is not None and str(stopped).startswith("the queue storage unit died")
+    assert stopped is not None and str(stopped).startswith(f"the {role} died")
+    with pytest.raises(PeerUnreachable) as gone:  # an actor whose socket is already gone
+        call(str(tmp_path / f"{PREFIX}124-0-{served}.sock"), "get", 1)
+    assert str(explain_death(gone.value, {})).startswith(f"the {role} died")
     assert explain_death(RuntimeError("something else"), {}) is None
     assert explain_death(ConnectionResetError("some other socket"), {}) is None

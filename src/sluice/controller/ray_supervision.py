@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from sluice.controller.supervision import WorkerDied
-from sluice.queue.direct import StorageUnreachable
+from sluice.queue.direct import PeerUnreachable
 
 ROLLOUT_RESTARTS = 3
 """How many times Ray restarts a dead rollout worker before its death stops the run."""
@@ -92,8 +92,9 @@ def explain_death(err: BaseException, names: Mapping[str, str]) -> WorkerDied | 
 
     found: BaseException | None = err
     while found is not None and not isinstance(found, RayActorError):
-        if isinstance(found, StorageUnreachable):  # a worker's direct call: its task error, not a death
-            return WorkerDied("queue storage unit", "a worker's direct connection to it was reset")
+        if isinstance(found, PeerUnreachable):  # a worker's direct call: its task error, not a death
+            role = ACTOR_ROLES.get(found.served, "queue actor")
+            return WorkerDied(role, "a worker's direct connection to it was reset")
         found = found.__cause__ or found.__context__
     if found is None:
         return None

@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import pickle
+import re
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -54,7 +55,8 @@ class DirectServer:
         self._target = target
         self._allowed = frozenset(target.DIRECT_METHODS)
         remove_stale_sockets()
-        path = os.path.join(tempfile.gettempdir(), f"{PREFIX}{os.getpid()}-{next(_counter)}.sock")
+        served = type(target).__name__  # in the name, so a client whose call fails can say who died
+        path = os.path.join(tempfile.gettempdir(), f"{PREFIX}{os.getpid()}-{next(_counter)}-{served}.sock")
         self._listener = Listener(path, family="AF_UNIX")
         self.address = path
         threading.Thread(target=self._accept, daemon=True, name="direct-accept").start()
@@ -108,8 +110,23 @@ def _connection(address: str) -> Connection:
     return conn
 
 
-class StorageUnreachable(ConnectionError):
-    """A direct call's socket failed mid-call: the queue actor serving it died (or closed)."""
+class PeerUnreachable(ConnectionError):
+    """A direct call's socket failed mid-call: the actor serving ``address`` died (or closed)."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(address, why)  # both in ``args``: the error crosses processes pickled
+        self.address, self.why = address, why
+
+    @property
+    def served(self) -> str:
+        """The class of the object served at ``address`` (``""``: an address not named by
+        ``DirectServer``)."""
+        name = os.path.basename(self.address)
+        found = re.fullmatch(rf"{PREFIX}\d+-\d+-(\w+)\.sock", name)
+        return found.group(1) if found else ""
+
+    def __str__(self) -> str:
+        return f"the direct socket {self.address} failed ({self.why})"
 
 
 def call(address: str, method: str, *args: Any) -> Any:
@@ -132,11 +149,17 @@ class DirectCall:
 def call_many(calls: Sequence[DirectCall]) -> list[Any]:
     """The calls' results, made concurrently from this thread: every request is sent before the
     first reply is read (each server answers on its own thread), so no worker thread is woken."""
-    conns = [_connection(c.address) for c in calls]
+    at = ""  # the address being spoken to when a socket fails
     try:
+        conns = []
+        for c in calls:
+            at = c.address
+            conns.append(_connection(at))
+            conns[-1].send((c.method, c.args))
+        replies = []
         for conn, c in zip(conns, calls, strict=True):
-            conn.send((c.method, c.args))
-        replies = [conn.recv() for conn in conns]
+            at = c.address
+            replies.append(conn.recv())
     except (EOFError, OSError, pickle.PicklingError) as err:  # the connections' state is unknown: drop them
         for c in calls:
             dropped = _local.by_address.pop(c.address, None)
@@ -144,7 +167,7 @@ def call_many(calls: Sequence[DirectCall]) -> list[Any]:
                 dropped.close()
         if isinstance(err, pickle.PicklingError):
             raise
-        raise StorageUnreachable(f"a queue actor's direct socket failed ({type(err).__name__}: {err})") from err
+        raise PeerUnreachable(at, f"{type(err).__name__}: {err}") from err
     for ok, value in replies:
         if not ok:
             raise value
