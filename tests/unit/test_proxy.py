@@ -105,6 +105,31 @@ def test_added_replica_gets_the_newest_weights_first() -> None:
     assert run_virtual(main()) == (3.0, 3.0)
 
 
+@pytest.mark.parametrize("mode", ["interrupt", "defer", "staggered"])
+def test_settled_returns_once_every_replica_holds_the_new_version(mode) -> None:
+    """``settled`` is what a rollout worker's ``load_version`` waits on in-process (instead of the
+    driver polling it over Ray calls): with requests running, a deferred update is not held yet
+    when ``sync_weights`` returns, and ``settled`` returns only when it is, on every replica (an
+interrupting load lands at each simulated replica's next step boundary)."""
+    engines = _engines(2, SimEngineConfig(decode_s=0.01, load_s=0.05, lengths=LengthModel(100, 0.0, 0.0)))
+    proxy = LLMProxy(engines)
+
+    async def main():
+        tasks = [asyncio.ensure_future(proxy.generate(_req(f"r{i}", seed=i))) for i in range(4)]
+        await asyncio.sleep(0.3)
+        await proxy.sync_weights({}, 1, mode)  # type: ignore[arg-type]
+        before = [e.stats()["version"] for e in engines]
+        held = await proxy.settled()
+        after = [e.stats()["version"] for e in engines]
+        await asyncio.gather(*tasks)
+        return before, held, after
+
+    before, held, after = run_virtual(main())
+    assert held == 1.0 and after == [1.0, 1.0]
+    if mode != "interrupt":  # a deferred swap waits for the running requests to drain
+        assert before == [0.0, 0.0]
+
+
 def _update_during(mode: str, replicas: int) -> tuple[list, list[SimEngine], list[float]]:
     engines = _engines(replicas, SimEngineConfig(decode_s=0.01, load_s=0.2, lengths=LengthModel(100, 0.0, 0.3)))
     proxy = LLMProxy(engines)

@@ -111,3 +111,23 @@ def test_length_capped_turn_is_closed_by_an_env_token():
             assert sample.response_ids[end] == tok.eos_token_id and sample.loss_mask[end] == 0
             closers += 1
     assert closers > 0
+
+
+def test_text_encoder_tokenises_each_distinct_text_once_and_hands_out_fresh_lists():
+    """The episodes of a group open with one prompt and observations repeat: the encoder asks the
+    tokenizer once per distinct text; callers still get lists of their own."""
+    tok = build_char_tokenizer("0123456789>|ostar")
+    calls: list[tuple[str, bool]] = []
+
+    class Counting:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            calls.append((text, add_special_tokens))
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    plain, special = text_encoder(Counting()), text_encoder(Counting(), special_tokens=True)
+    first = plain("12>")
+    first.append(-1)  # a caller's list is its own
+    assert plain("12>") == tok.encode("12>", add_special_tokens=False)
+    assert special("12>") == tok.encode("12>")
+    assert plain("3|") == tok.encode("3|", add_special_tokens=False)
+    assert calls == [("12>", False), ("12>", True), ("3|", False)]

@@ -174,7 +174,8 @@ class MultiRayPipeline(RayPipeline):
         """Every rollout worker loads ``version``; then the gate grants slots under it."""
         sync, mode = self.engine_weight_sync, self.spec.config.rollout.weight_update
         loads = await asyncio.gather(*(a.load_version.remote(sync, version, mode) for a in self.rollout_actors))
-        await asyncio.gather(*(wait_engine_version(a.engine_stats.remote, version) for a in self.rollout_actors))
+        behind = [a for a, m in zip(self.rollout_actors, loads, strict=True) if m.get("engine_version", -1.0) < version]
+        await asyncio.gather(*(wait_engine_version(a.engine_stats.remote, version) for a in behind))
         self.engine_version = max(self.engine_version, version)
         await self.gate.advance.remote(version)
         return {k: max(m.get(k, 0.0) for m in loads) for k in ("weight_fetch_s", "weight_load_s")}

@@ -165,7 +165,8 @@ class LocalPipeline(_Pipeline):
     async def sync_weights(self, version: int) -> dict[str, float]:
         mode = self.spec.config.rollout.weight_update
         metrics = await self.rollout_worker.load_version(self.weight_sync, version, mode)
-        await wait_engine_version(self.engine_stats, version)
+        if metrics.pop("engine_version", -1.0) < version:
+            await wait_engine_version(self.engine_stats, version)
         self.engine_version = version
         return metrics
 

@@ -244,7 +244,8 @@ class RayPipeline(_Pipeline):
             metrics = {}
         finally:
             self._syncing = None
-        await wait_engine_version(self.engine_stats, version)
+        if metrics.pop("engine_version", -1.0) < version:  # a recovery, or an older worker's answer
+            await wait_engine_version(self.engine_stats, version)
         self.engine_version = max(self.engine_version, version)  # a recovery may have gone further
         return metrics
 

@@ -133,7 +133,7 @@ def build_env_runner(
         episodes = EpisodeRunner(
             engine,
             env_factory(spec.env, spec.env_kwargs),
-            encode_prompt=lambda text: list(tokenizer.encode(text)),
+            encode_prompt=text_encoder(tokenizer, special_tokens=True),
             encode=encode,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             chat=chat,

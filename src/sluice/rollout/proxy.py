@@ -261,6 +261,13 @@ class LLMProxy:
         await asyncio.gather(*(self._guard(s, s.replica.update_weights(weights, version, engine_mode)) for s in states))
         self._updating = self._spawn(self._wait_all(states, version))
 
+    async def settled(self) -> float:
+        """Once the latest ``sync_weights`` has reached every replica (``interrupt``: at once;
+        ``defer``: when they drained); the version they all hold."""
+        if self._updating is not None and not self._updating.done():
+            await asyncio.shield(self._updating)  # a cancelled waiter leaves the rollout running
+        return self.stats()["version"]
+
     async def _staggered(self, waves: list[list[ReplicaState]], weights: Mapping[str, Any], version: int) -> None:
         for wave in waves:
             for state in wave:

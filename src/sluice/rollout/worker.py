@@ -201,15 +201,18 @@ class RolloutWorker:
 
     async def load_version(self, sync: WeightSync, version: int, mode: str) -> dict[str, float]:
         """Fetch ``version`` from the weight sync and push it to the replicas (``interrupt`` |
-        ``defer`` | ``staggered``); returns how long fetching and handing it over took (an
-        ``interrupt`` load stalls generation for the latter)."""
+        ``defer`` | ``staggered``), then wait until they all hold it; returns how long fetching and
+        handing it over took (an ``interrupt`` load stalls generation for the latter) and the
+        version the replicas hold (``engine_version``)."""
         start = time.perf_counter()
         with self.tracer.span("weight_fetch", lane="weights", version=version):
             weights = sync.fetch(version)
         fetched = time.perf_counter()
         with self.tracer.span("weight_sync", lane="weights", version=version, mode=mode):
             await self.proxy.sync_weights(weights, version, mode)  # type: ignore[arg-type]
-        return {"weight_fetch_s": fetched - start, "weight_load_s": time.perf_counter() - fetched}
+        loaded = time.perf_counter()
+        held = await self.proxy.settled()  # here, not polled over Ray calls: each waits for a decode step
+        return {"weight_fetch_s": fetched - start, "weight_load_s": loaded - fetched, "engine_version": held}
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
         """Greedy (and ``config.samples`` sampled) responses to ``items`` with the current weights,
