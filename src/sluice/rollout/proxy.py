@@ -7,13 +7,11 @@
   hard prompt's n long samples spread over the replicas (ROLL Flash §5.1.2).
 - **Longest predicted first** (optional, StreamRL): with a ``LengthPredictor`` the proxy holds
   requests in a ``LongestFirstQueue`` and gives each free replica slot (``slots`` running
-  requests per replica) to the waiting request with the longest predicted response; routing
-  then weighs requests by predicted rather than maximum length, and the predictor learns from
-  every finished response.
+  requests per replica) to the waiting request with the longest predicted response; routing then
+  weighs requests by predicted rather than maximum length; the predictor learns from every response.
 - **Skewness-aware dispatch** (optional, StreamRL, on top of longest-first): a ``LongTailSplit``
   dedicates some replicas to the requests predicted to be in the long tail, at a smaller cap on
-  running requests (fast per token), and keeps the rest on the other replicas; one longest-first
-  lane per side.
+  running requests (fast per token), and the rest on the other replicas; a longest-first lane each.
 - **Requests**: ``generate`` / ``abort`` as for one engine; ``pause`` holds new requests at the
   proxy and pauses the replicas; ``resume`` releases both.
 - **Replicas at run time**: ``add_replica`` loads the newest weights into a newcomer before
@@ -26,7 +24,7 @@
   With none left and none coming, every request fails with ``ReplicaLost``.
 - **Weight updates** (DESIGN.md): ``interrupt`` and ``defer`` go to every replica at once;
   ``staggered`` updates ``stagger`` replicas at a time, routing around them while they drain
-  and swap, so generation never stops everywhere.
+  and swap, so generation never stops everywhere; ``settled`` waits until every replica holds it.
 
 It does not decide what to generate or when weights change (the rollout worker and the
 controller do), and it never looks inside an engine beyond the ``Replica`` verbs.
@@ -262,8 +260,7 @@ class LLMProxy:
         self._updating = self._spawn(self._wait_all(states, version))
 
     async def settled(self) -> float:
-        """Once the latest ``sync_weights`` has reached every replica (``interrupt``: at once;
-        ``defer``: when they drained); the version they all hold."""
+        """The version every replica holds, once the latest ``sync_weights`` reached them all."""
         if self._updating is not None and not self._updating.done():
             await asyncio.shield(self._updating)  # a cancelled waiter leaves the rollout running
         return self.stats()["version"]
