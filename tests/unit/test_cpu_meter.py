@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sluice.bench.e2e import format_table
+from sluice.bench.e2e import bound_vs_first, format_table
 from sluice.telemetry.cpu import PROC, CpuMeter, run_processes
 
 BURN = (
@@ -43,22 +43,26 @@ def test_a_child_and_the_driver_are_counted_apart() -> None:
     assert cpu["cores"] >= 1
 
 
-def test_the_bench_table_shows_the_cpu_bound() -> None:
+def test_the_bench_table_shows_the_cpu_bound_and_the_most_it_allows_against_sync() -> None:
     row = {
-        "variant": "sync", "trained_tokens_per_s": 100.0, "loop_s": 10.0, "trainer_idle_fraction": 0.5,
-        "exposed_weight_sync_s": 0.0, "staleness": {"0": 3.0}, "base_accuracy": 0.1, "final_accuracy": 0.2,
-        "cpu_s": 24.0, "cpu_bound_s": 12.0,
+        "variant": "sync", "trained_tokens": 1000.0, "trained_tokens_per_s": 100.0, "loop_s": 10.0,
+        "trainer_idle_fraction": 0.5, "exposed_weight_sync_s": 0.0, "staleness": {"0": 3.0},
+        "base_accuracy": 0.1, "final_accuracy": 0.2, "cpu_s": 24.0, "cpu_bound_s": 12.0,
     }  # fmt: skip
-    line = format_table([row, {**row, "cpu_s": None, "cpu_bound_s": None}]).splitlines()
-    assert "24.0" in line[2] and "12.0" in line[2]
-    assert line[3].count("n/a") == 2
+    fast = {**row, "variant": "async", "trained_tokens": 900.0, "cpu_s": 8.0, "cpu_bound_s": 4.0}
+    line = format_table([row, fast, {**row, "cpu_s": None, "cpu_bound_s": None}]).splitlines()
+    assert "24.0" in line[2] and "12.0" in line[2] and "0.83x" in line[2]  # 1000 tokens / 12 s vs 100 tok/s
+    assert "2.25x" in line[3]  # 900 tokens / 4 s vs 100 tok/s: the most async could reach on this work
+    assert line[4].count("n/a") == 3
+    assert bound_vs_first(fast, row) == pytest.approx(2.25)
+    assert bound_vs_first({**row, "cpu_bound_s": None}, row) is None
 
 
 def test_the_bench_table_shows_no_accuracy_for_a_run_without_evaluation() -> None:
     row = {
         "variant": "sync", "trained_tokens_per_s": 100.0, "loop_s": 10.0, "trainer_idle_fraction": 0.5,
         "exposed_weight_sync_s": 0.0, "staleness": {"0": 3.0}, "base_accuracy": 0.1, "final_accuracy": 0.2,
-        "cpu_s": 24.0, "cpu_bound_s": 12.0,
+        "cpu_s": 24.0, "cpu_bound_s": 12.0, "trained_tokens": 1000.0,
     }  # fmt: skip
     lines = format_table([row, {**row, "base_accuracy": None, "final_accuracy": None}]).splitlines()
     assert lines[2].endswith("10.0→20.0") and lines[3].endswith("n/a")  # run.eval_every=0: None accuracies

@@ -108,9 +108,9 @@ def test_added_replica_gets_the_newest_weights_first() -> None:
 @pytest.mark.parametrize("mode", ["interrupt", "defer", "staggered"])
 def test_settled_returns_once_every_replica_holds_the_new_version(mode) -> None:
     """``settled`` is what a rollout worker's ``load_version`` waits on in-process (instead of the
-    driver polling it over Ray calls): with requests running, a deferred update is not held yet
-    when ``sync_weights`` returns, and ``settled`` returns only when it is, on every replica (an
-interrupting load lands at each simulated replica's next step boundary)."""
+        driver polling it over Ray calls): with requests running, a deferred update is not held yet
+        when ``sync_weights`` returns, and ``settled`` returns only when it is, on every replica (an
+    interrupting load lands at each simulated replica's next step boundary)."""
     engines = _engines(2, SimEngineConfig(decode_s=0.01, load_s=0.05, lengths=LengthModel(100, 0.0, 0.0)))
     proxy = LLMProxy(engines)
 

@@ -13,9 +13,10 @@ not count), loop wall time, the trainer's idle fraction, the exposed weight-sync
 generation or training waited for weights), the realised staleness histogram (from the run's
 trace and ledger), final held-out accuracy, and the CPU seconds every process of the run spent in
 the loop, by role (``telemetry/cpu.py``): divided by the cores, that is the shortest loop the
-same work could take with every core busy all the time (``cpu_bound_s``), so sync's loop over a
-row's bound is the most that row could gain on sync by any scheduling (a two-thread row's CPU
-includes OpenMP workers spinning while they wait, so its bound is not a floor).
+same work could take with every core busy all the time (``cpu_bound_s``), so the row's trained
+tokens over its bound, against the first row's (sync's) tokens per second, is the most that row
+could gain on sync by any scheduling of the same work (``≤ vs sync``, ``cpu_bound_vs_first``; a
+two-thread row's CPU includes OpenMP workers spinning while they wait, so its bound is not a floor).
 
 ``--workload`` picks what is trained: ``default`` (the config as given), or a waiting-bound one
 (ROLL Flash's simulated-environment setting): ``agentic-wait`` (the calculator task, every env
@@ -114,6 +115,8 @@ def run_e2e(
         )
         result = RLTrainer(cfg).fit()
         rows.append(_row(name, result))
+    for row in rows:
+        row["cpu_bound_vs_first"] = bound_vs_first(row, rows[0])
     return rows
 
 
@@ -147,7 +150,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["trained_tokens_per_s"] if rows else 1.0
     head = (
         f"{'variant':<15} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6} "
-        f"{'cpu s':>6} {'bound s':>7}  {'staleness':<22} {'acc':>11}"
+        f"{'cpu s':>6} {'bound s':>7} {'≤ vs sync':>9}  {'staleness':<22} {'acc':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -158,14 +161,29 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['variant']:<15} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
             f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5} "
-            f"{r['exposed_weight_sync_s']:>6.2f} {_num(r.get('cpu_s')):>6} {_num(r.get('cpu_bound_s')):>7}  "
+            f"{r['exposed_weight_sync_s']:>6.2f} {_num(r.get('cpu_s')):>6} {_num(r.get('cpu_bound_s')):>7} "
+            f"{_ratio(bound_vs_first(r, rows[0])):>9}  "
             f"{hist:<22} {acc:>11}"
         )
     return "\n".join(lines)
 
 
+def bound_vs_first(row: dict[str, Any], first: dict[str, Any]) -> float | None:
+    """The most ``row`` could reach against the first row (sync) with its CPU work unchanged: its
+    trained tokens over its CPU bound (every core busy all the loop, nothing waited for), in units
+    of the first row's trained tokens per second (``None``: no CPU record)."""
+    bound = row.get("cpu_bound_s")
+    if not bound or not first["trained_tokens_per_s"]:
+        return None
+    return float(row["trained_tokens"] / bound / first["trained_tokens_per_s"])
+
+
 def _num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
 
 
 def write_json(
