@@ -17,6 +17,7 @@ and prefix sharing across sessions (the samples of one prompt share their first 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,8 +39,8 @@ class KeptTurn:
     kv: tuple[Tensor, ...]
     mask: Tensor
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked on every keep, eviction and take: computed once
         return sum(t.numel() * t.element_size() for t in self.kv)
 
 
@@ -94,7 +95,7 @@ class SessionCache:
             else:
                 cols = mask[j].nonzero().squeeze(1)
                 turn_kv, turn_mask = tuple(t[j].index_select(1, cols) for t in kv), mask[j, cols]
-            request = rows.seqs[i].request
+            request = seqs[i].request
             self.keep(request.session, KeptTurn(tuple(request.prompt_ids) + gen, turn_kv, turn_mask))
 
     def take(self, session: str | None, prompt: tuple[int, ...]) -> KeptTurn | None:
