@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
 
-.PHONY: run test test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
+.PHONY: run test test-quick test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
 
 venv: $(STAMP)
 
@@ -28,20 +28,31 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 run: $(STAMP)
 	$(BIN)/sluice train $(ARGS)
 
+# Tests run on PYTEST_WORKERS pytest-xdist workers (work stealing: a worker that runs out takes
+# queued tests from the other), each with its own session fixtures and its own Ray instance; models
+# that take seconds to build are cached once for all workers (tests/conftest.py). PYTEST_WORKERS=0
+# runs in one process. docs/testing.md says which tier holds what.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
+
+# The inner loop: unit tests only (fast, CPU-only, no Ray cluster, no end-to-end runs).
+test-quick: $(STAMP) sandbox-deps
+	$(BIN)/pytest tests/unit -m "not scale and not faults" $(XDIST)
+
 test: $(STAMP) sandbox-deps lint typecheck
-	$(BIN)/pytest tests -m "not scale and not faults" --durations=15
+	$(BIN)/pytest tests -m "not scale and not faults" $(XDIST) --durations=15
 
 # Trainer strategies over several processes (DDP / FSDP2 ranks, sharded checkpoints) and the GPU
 # check's CPU run: minutes of spawned ranks, so apart from `make test`; .ci/run calls both.
 test-scale: $(STAMP)
-	$(BIN)/pytest tests -m "scale and not faults" --durations=10
+	$(BIN)/pytest tests -m "scale and not faults" $(XDIST) --durations=10
 
 # Faults in real runs (docs/reliability.md): worker actors and reward workers SIGKILLed or
 # SIGSTOPped mid-run; `sluice train` drivers (local and Ray) SIGKILLed and SIGTERMed at start-up,
 # mid-step and mid-checkpoint. Minutes of process start-ups, so apart from `make test`; .ci/run
 # calls it after test-scale.
 test-faults: $(STAMP)
-	$(BIN)/pytest tests -m faults --durations=15
+	$(BIN)/pytest tests -m faults $(XDIST) --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -62,6 +62,42 @@ def tiny_task_model(tmp_path_factory):
     return save_tiny_task_model(tmp_path_factory.mktemp("tiny_task_model"))
 
 
+@pytest.fixture(scope="session")
+def shared_tmp_path(tmp_path_factory) -> Path:
+    """A temporary folder every pytest-xdist worker of this session shares (the session's own
+    folder without xdist): for results computed once per session and compared by several tests.
+    Writers take a ``filelock.FileLock`` beside what they write."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent / "shared" if os.environ.get("PYTEST_XDIST_WORKER") else base / "shared"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+TEST_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "sluice-tests"
+"""Built models every test session (and every pytest-xdist worker) shares: each is built once,
+under a file lock, in a folder named by its recipe (``ensure_base_model`` hashes the recipe), then
+read-only. ``make clean`` removes it."""
+
+
+@pytest.fixture(scope="session")
+def calculator_warm_start() -> Path:
+    """The calculator task's SFT warm start (``examples/calculator_agent``'s base model): ~30 s to
+    build on a quiet machine, so built once and reused by later sessions while its recipe holds."""
+    from filelock import FileLock
+
+    from sluice.tasks import TASKS
+    from sluice.tasks.base_model import ensure_base_model
+
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(TEST_CACHE / "calculator.lock")):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return ensure_base_model(TASKS["calculator"], TEST_CACHE, 0, 500)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.gpu`` tests skip, saying why, where torch sees no CUDA device."""
     if torch.cuda.is_available():

@@ -232,13 +232,20 @@ def _config_reference() -> str:
     return config_reference()
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    from sluice.dag.spec import DagError
-    from sluice.data import DatasetError
-    from sluice.engines.hf_model import ModelPathError
-    from sluice.telemetry.plot import MetricsFileError
+_USER_ERRORS = {
+    "sluice.dag.spec": "DagError",
+    "sluice.data.readers": "DatasetError",
+    "sluice.engines.hf_model": "ModelPathError",
+    "sluice.telemetry.plot": "MetricsFileError",
+}
+"""The errors that are a user's input, by defining module. Only modules already imported are asked:
+an error whose class was never imported cannot have been raised, and importing ``hf_model`` (torch
+and transformers, seconds) to say that a config key is wrong would make every such error slow."""
 
-    return (ConfigError, DatasetError, ModelPathError, DagError, MetricsFileError)
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    loaded = (getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules)
+    return (ConfigError, *loaded)
 
 
 def _run_stops() -> tuple[type[Exception], ...]:

@@ -32,10 +32,23 @@ def _run(model_dir, out, name, *overrides):
     ]
     cfg = load_config(None, [*tiny_run_overrides(model_dir, out, name), *streaming, *overrides])
     trainer = RLTrainer(cfg, reward=length_reward)
-    result = trainer.fit()
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    weights = load_causal_lm(result.final_model_dir).state_dict()
-    return records, weights
+    return _outputs(trainer.fit().run_dir)
+
+
+def _outputs(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records, load_causal_lm(run_dir / "final_model").state_dict()
+
+
+def _one_process(model_dir, shared_tmp_path, name, *overrides):
+    """The one-trainer reference run, made once per test session: the ``ddp`` and ``fsdp2`` cases
+    of one update rule compare with the same run, whichever pytest-xdist worker asks first."""
+    from filelock import FileLock
+
+    with FileLock(str(shared_tmp_path / f"{name}.lock")):
+        if (shared_tmp_path / name / "final_model").is_dir():
+            return _outputs(shared_tmp_path / name)
+        return _run(model_dir, shared_tmp_path, name, *overrides)
 
 
 def _train(records, *keys):
@@ -90,7 +103,9 @@ PPO_UPDATES = ["trainer.ppo_mini_batches=2", "trainer.ppo_epochs=2", "trainer.pr
         pytest.param("critic", "fsdp2", marks=pytest.mark.scale),
     ],
 )
-def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ray_cluster, updates, strategy):
+def test_two_data_parallel_ranks_give_one_process_update(
+    model_dir, tmp_path, shared_tmp_path, ray_cluster, updates, strategy
+):
     """η = 0 makes the step's samples independent of timing, so two trainer ranks (gradients
     summed by DDP's all-reduce or FSDP2's reduce-scatter, token-mean over the whole step) must
     match one trainer up to float rounding; the ranks stay identical and the engine holds rank 0's
@@ -100,7 +115,8 @@ def test_two_data_parallel_ranks_give_one_process_update(model_dir, tmp_path, ra
     gradient sum per step would move the losses and weights."""
     critic = ["trainer.algorithm=ppo", "trainer.gae_lambda=0.95"] if updates == "critic" else []
     common = ["run.backend=ray", "run.steps=2", *(PPO_UPDATES if updates != "one" else []), *critic]
-    one, one_weights = _run(model_dir, tmp_path, f"dp1-{updates}", *common, "run.mode=async", "rollout.max_staleness=0")
+    one_process = ["run.mode=async", "rollout.max_staleness=0"]
+    one, one_weights = _one_process(model_dir, shared_tmp_path, f"dp1-{updates}", *common, *one_process)
     # the ranks under the sync schedule with PPO's updates: the same steps as η = 0 streaming
     two_mode = ["run.mode=sync"] if updates != "one" else ["run.mode=async", "rollout.max_staleness=0"]
     ranks = ["resources.trainer.ranks=2", f"trainer.strategy={strategy}"]

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from sluice import RLTrainer
 from sluice.api import PromptItem, SamplingParams
@@ -19,17 +18,15 @@ from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_tokenizer
 from sluice.rollout.agentic import build_env_runner, env_rollout_spec
 from sluice.tasks import TASKS
-from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.spec import eval_rows
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "calculator_agent" / "config.yaml"
 
 
 @pytest.fixture(scope="module")
-def warm_start(tmp_path_factory) -> Path:
-    """The calculator's cached SFT base model (built once, ~30 s on a quiet machine)."""
-    torch.set_num_threads(1)
-    return ensure_base_model(TASKS["calculator"], tmp_path_factory.mktemp("cache"), 0, 500)
+def warm_start(calculator_warm_start) -> Path:
+    """The calculator's SFT base model (``conftest.py``: built once, shared by sessions)."""
+    return calculator_warm_start
 
 
 def _runner(config: SluiceConfig, engine, model_dir: Path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -82,7 +83,9 @@ def ensure_base_model(
         on_step=on_step,
     )
     hf_logging.disable_progress_bar()
-    partial = target.with_name(target.name + ".partial")
+    # A folder of this process's own: two runs (or test workers) building the same recipe at once
+    # each write their own copy, and the first rename wins.
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
@@ -97,7 +100,13 @@ def ensure_base_model(
             indent=2,
         )
     )
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        shutil.rmtree(partial)  # another process finished the same recipe first: the same weights
+        return target
     shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+    try:
+        partial.rename(target)
+    except OSError:  # another process renamed its copy in between (the target is then not empty)
+        shutil.rmtree(partial)
     log.info("built base model %s in %.1fs", target, time.monotonic() - started)
     return target
