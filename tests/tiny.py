@@ -42,7 +42,8 @@ def save_tiny_task_model(path: Path, head_dim: int = 8, seed: int = 0) -> Path:
 
 
 def tiny_run_overrides(model_dir: Path, out: Path, name: str) -> list[str]:
-    """Config overrides for a 3-step run of 4 groups × 4 samples on ``save_tiny_task_model``."""
+    """Config overrides for a 3-step run of 4 groups × 4 samples on ``save_tiny_task_model``
+    (no ``plot.png``: a test that checks it sets ``tracking.plot=true``)."""
     return [
         f"model.path={model_dir}",
         "task.train_prompts=64",
@@ -53,6 +54,7 @@ def tiny_run_overrides(model_dir: Path, out: Path, name: str) -> list[str]:
         "run.steps=3",
         "run.threads=1",
         "run.progress=false",
+        "tracking.plot=false",  # matplotlib's figure costs ~1 s a run; the tests of plot.png ask for it
         f"run.output_dir={out}",
         f"run.name={name}",
     ]

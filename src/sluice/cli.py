@@ -111,6 +111,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         console.print(dump_config(cfg), end="", markup=False, highlight=False)
         return 0
+    _check_model_path(cfg.model.path)
     from sluice.controller.preemption import RunPreempted
     from sluice.rl_trainer import RLTrainer
     from sluice.telemetry import TrainProgress
@@ -135,10 +136,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    cfg = load_config(None, [*args.overrides, f"model.path={args.model_dir}"])
+    _check_model_path(cfg.model.path)
     from sluice.data import check_user_data
     from sluice.rl_trainer import RLTrainer
 
-    cfg = load_config(None, [*args.overrides, f"model.path={args.model_dir}"])
     if args.data:
         check_user_data(cfg, reward_given=False, files="--data")
     trainer = RLTrainer(cfg)
@@ -158,6 +160,14 @@ def _eval(args: argparse.Namespace) -> int:
     if buckets:
         print(f"  by bucket: {buckets}")
     return 0
+
+
+def _check_model_path(path: str | None) -> None:
+    """A wrong ``model.path`` is said before torch and transformers are imported (seconds)."""
+    if path:
+        from sluice.engines.model_folder import check_model_dir
+
+        check_model_dir(path)
 
 
 def _scores(scores: EvalScores, k: int) -> str:
@@ -235,7 +245,7 @@ def _config_reference() -> str:
 _USER_ERRORS = {
     "sluice.dag.spec": "DagError",
     "sluice.data.readers": "DatasetError",
-    "sluice.engines.hf_model": "ModelPathError",
+    "sluice.engines.model_folder": "ModelPathError",
     "sluice.telemetry.plot": "MetricsFileError",
 }
 """The errors that are a user's input, by defining module. Only modules already imported are asked:

@@ -51,6 +51,7 @@ def test_local_run_writes_trackers_samples_and_plot(tiny_task_model, tmp_path, m
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_MODE", "offline")
     tracking = ["tracking.trackers=[tensorboard,wandb]", "tracking.samples_every=1", "tracking.samples_per_step=3"]
+    tracking += ["tracking.plot=true"]
     trainer_overrides = ["run.mode=sync", "run.backend=local", *tracking]
     run_dir, prompts = _fit(tiny_task_model, tmp_path, "tracked", *trainer_overrides)
     metrics = _jsonl(run_dir / "metrics.jsonl")

@@ -42,15 +42,24 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needle):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_a_config_error_is_reported_without_importing_torch(tmp_path):
-    """Naming a wrong key must not wait seconds for torch and transformers to import: the CLI
-    asks only the error classes of modules already imported (``cli._user_errors``)."""
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["train", "rollout.nope=1"], "rollout.nope: unknown key"),
+        (["train", "model.path=/no/such/model"], "model.path: /no/such/model does not exist"),
+        (["eval", "/no/such/model"], "model.path: /no/such/model does not exist"),
+    ],
+)
+def test_a_config_error_is_reported_without_importing_torch(tmp_path, args, needle):
+    """Naming a wrong key or model folder must not wait seconds for torch and transformers to
+    import: the CLI checks ``model.path`` first and asks only the error classes of modules
+    already imported (``cli._user_errors``)."""
     child = (
-        "import sys; from sluice.cli import main; code = main(['train', 'rollout.nope=1']); "
+        f"import sys; from sluice.cli import main; code = main({args!r}); "
         "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert "rollout.nope: unknown key" in proc.stderr
+    assert needle in proc.stderr
     assert proc.stdout.split() == ["2", "[]"], proc.stdout
 
 

@@ -1,6 +1,6 @@
 """Load a local Hugging Face model folder (config, weights, tokenizer) with clear errors.
 
-The only place that resolves ``model.path``: it checks the folder before transformers sees it,
+The only place that resolves ``model.path``: it checks the folder (``model_folder.py``) before transformers sees it,
 so a wrong path ends with one message naming the field instead of a hub-download traceback.
 It never downloads (``local_files_only``).
 """
@@ -15,22 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-
-class ModelPathError(ValueError):
-    """``model.path`` does not point at a usable local model folder."""
-
-
-def check_model_dir(path: str | Path) -> Path:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelPathError(f"model.path: {p} does not exist (expected a local Hugging Face model folder)")
-    if not p.is_dir():
-        raise ModelPathError(f"model.path: {p} is a file, expected a folder with config.json")
-    if not (p / "config.json").is_file():
-        raise ModelPathError(f"model.path: {p} has no config.json (not a Hugging Face model folder)")
-    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-        raise ModelPathError(f"model.path: {p} has no weights (*.safetensors or *.bin)")
-    return p
+from sluice.engines.model_folder import ModelPathError, check_model_dir
 
 
 def load_tokenizer(path: str | Path) -> Any:
