@@ -2,6 +2,7 @@
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/regression.py                 # sync and async η=1
     flock /tmp/bench.lock .venv/bin/python benchmarks/regression.py --ref 735dfd2 --repeats 5
+    flock /tmp/bench.lock .venv/bin/python benchmarks/regression.py --ref 1ca89f0 --variants sync  # the old sync loop
 
 For each variant of ``sluice bench e2e`` (default: ``sync`` and ``async η=1``, 30 steps) it runs
 the reference commit (checked out into a temporary worktree, its ``src/`` first on
