@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ["venv", "vllm-venv", "lint", "typecheck", "test-quick", "test", "test-scale", "test-faults", "vllm-test"]
+TARGETS = ["venv", "test", "test-scale", "test-faults", "vllm-venv", "vllm-test"]
+"""``.ci/run``'s targets in its order (``make test`` includes lint and typecheck)."""
 PYTEST_TARGETS = {"test-quick", "test", "test-scale", "test-faults", "vllm-test"}
 KINDS = ("ray_start", "ray_stop", "subprocess_cli", "subprocess", "model_build", "warm_start")
 
