@@ -11,8 +11,8 @@ times, so that both sides see the same machine; it reports the medians of traine
 second of loop and of CPU seconds per step and their ratios (this tree / reference). It exits
 non-zero when a variant's trained tok/s ratio falls below ``--min-ratio`` (0.95): run it before a
 submission that touches the controller, rollout, trainer, queue or engines, and move
-``REFERENCE`` forward only when a change is measured faster. Writes JSON; never times asserts in
-the test suite (docs/performance.md).
+``REFERENCE`` forward only when a change is measured faster. Writes JSON; the test suite never
+times anything (docs/testing.md, "The speed guard").
 """
 
 from __future__ import annotations
