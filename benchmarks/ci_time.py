@@ -102,13 +102,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", nargs="+", default=None, help=f"make targets (default: {' '.join(TARGETS)})")
     ap.add_argument("--clone", type=Path, default=None, help="run in a fresh clone of HEAD made here")
+    ap.add_argument("--tree", type=Path, default=None, help="run in this checkout (a clone made before)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ci_time.json")
     ap.add_argument("--show", type=Path, default=None, help="print the table of a JSON written before")
     args = ap.parse_args()
     if args.show:
         print(table(json.loads(args.show.read_text())["rows"]))
         return
-    tree = clone(args.clone) if args.clone else ROOT
+    tree = clone(args.clone) if args.clone else (args.tree or ROOT)
     targets = args.targets or (TARGETS if args.clone else [t for t in TARGETS if "venv" not in t])
     with tempfile.TemporaryDirectory() as scratch:
         rows = [run_target(tree, target, Path(scratch)) for target in targets]
