@@ -1,7 +1,8 @@
 """Load a local Hugging Face model folder (config, weights, tokenizer) with clear errors.
 
-The only place that resolves ``model.path``: it checks the folder (``model_folder.py``) before transformers sees it,
-so a wrong path ends with one message naming the field instead of a hub-download traceback.
+The only place that resolves ``model.path``: it checks the folder (``model_folder.py``) before
+transformers sees it, so a wrong path ends with one message naming the field instead of a
+hub-download traceback.
 It never downloads (``local_files_only``).
 """
 
