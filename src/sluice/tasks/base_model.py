@@ -55,7 +55,7 @@ def ensure_base_model(
 ) -> Path:
     """Return the cached base model folder for ``task``, building it first if needed."""
     target = base_model_dir(task, cache_dir, seed, eval_count)
-    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+    if _complete(target):
         return target
     started = time.monotonic()
     tokenizer = build_char_tokenizer(task.alphabet)
@@ -100,7 +100,7 @@ def ensure_base_model(
             indent=2,
         )
     )
-    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+    if _complete(target):
         shutil.rmtree(partial)  # another process finished the same recipe first: the same weights
         return target
     shutil.rmtree(target, ignore_errors=True)
@@ -110,3 +110,8 @@ def ensure_base_model(
         shutil.rmtree(partial)
     log.info("built base model %s in %.1fs", target, time.monotonic() - started)
     return target
+
+
+def _complete(folder: Path) -> bool:
+    """A finished base model folder (the last rename made it whole)."""
+    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
