@@ -4,13 +4,15 @@
     python benchmarks/ci_time.py --clone /tmp/ci       # a fresh clone of HEAD (venvs built too)
     python benchmarks/ci_time.py --targets test-quick test
     python benchmarks/ci_time.py --show benchmarks/results/ci_time.json
+    python benchmarks/ci_time.py --show RESULT.json --durations tests/durations.json
 
 For each target: its test count, wall seconds, the summed seconds of its tests, and of those the
 seconds spent starting and stopping Ray in the pytest process, in the lifetimes of the
 subprocesses tests start (``sluice train`` runs, agents; interpreter and torch start-up
 included), and building tiny models and warm starts (``benchmarks/ci_time_plugin.py`` measures
 them); then the 20 slowest tests over all targets. Writes the JSON (``--out``). It measures only:
-it never changes what a target runs.
+it never changes what a target runs. ``--durations`` writes each test's seconds for
+``tests/conftest.py``, which starts the longest tests first (two workers then end together).
 """
 
 from __future__ import annotations
@@ -98,6 +100,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_durations(rows: list[dict], path: Path | None) -> None:
+    """Each passed test's seconds (setup + call + teardown), by id, merged into ``path``'s."""
+    if path is None:
+        return
+    known = json.loads(path.read_text()) if path.exists() else {}
+    for row in rows:
+        known.update({t["id"]: round(t["seconds"], 2) for t in row.get("per_test", []) if t["outcome"] == "passed"})
+    path.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
+    print(f"wrote {len(known)} durations to {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", nargs="+", default=None, help=f"make targets (default: {' '.join(TARGETS)})")
@@ -105,9 +118,12 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, default=None, help="run in this checkout (a clone made before)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ci_time.json")
     ap.add_argument("--show", type=Path, default=None, help="print the table of a JSON written before")
+    ap.add_argument("--durations", type=Path, default=None, help="write {test id: seconds} here (tests/durations.json)")
     args = ap.parse_args()
     if args.show:
-        print(table(json.loads(args.show.read_text())["rows"]))
+        rows = json.loads(args.show.read_text())["rows"]
+        print(table(rows))
+        write_durations(rows, args.durations)
         return
     tree = clone(args.clone) if args.clone else (args.tree or ROOT)
     targets = args.targets or (TARGETS if args.clone else [t for t in TARGETS if "venv" not in t])
@@ -118,6 +134,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"commit": commit.stdout.strip(), "fresh_clone": bool(args.clone),
                                     "rows": rows}, indent=1))  # fmt: skip
     print(table(rows))
+    write_durations(rows, args.durations)
     sys.exit(max(r["rc"] for r in rows))
 
 

@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.append(str(Path(__file__).parent.parent / "benchmarks"))  # benchmark helpers: harness/
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Each test starts on one torch thread, whatever the test before it set (an in-process
+    ``RLTrainer`` sets ``run.threads``): batched kernels on two threads round differently, and a
+    test's bit-for-bit comparisons must not depend on which test ran before it in its worker."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield
 
 
 def _start_ray():
@@ -98,8 +109,23 @@ def calculator_warm_start() -> Path:
             torch.set_num_threads(threads)
 
 
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Each test's seconds on this machine's kind, written by ``benchmarks/ci_time.py --durations``."""
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` deselected: a file counts what runs
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests skip, saying why, where torch sees no CUDA device."""
+    """The longest test files first: pytest-xdist's ``worksteal`` hands each worker a contiguous
+    share and steals from the end of a worker's queue, so an 80 s file that starts last keeps one
+    worker busy while the other waits. A file's tests stay together and in their order (its
+    module-scoped fixtures start once); unknown tests (new ones) count as 1 s. ``@pytest.mark.gpu``
+    tests skip, saying why, where torch sees no CUDA device."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    by_file: dict[str, float] = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        by_file[file] = by_file.get(file, 0.0) + seconds.get(item.nodeid, 1.0)
+    items.sort(key=lambda item: -by_file[item.nodeid.split("::")[0]])  # stable: a file's order holds
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

@@ -29,7 +29,8 @@ def save_tiny_task_model(path: Path, head_dim: int = 8, seed: int = 0) -> Path:
     """A random tiny Llama with the default task's character tokenizer, saved as an HF folder.
     ``head_dim=64`` gives a shape vLLM's CPU attention kernels accept (hidden 128, 2 heads)."""
     from sluice.tasks import TASKS
-    from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+    from sluice.tasks.spec import TinyLlamaSpec
+    from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 
     tok = build_char_tokenizer(TASKS["reverse_digits"].alphabet)
     heads = 4 if head_dim == 8 else 2

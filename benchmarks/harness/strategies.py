@@ -20,7 +20,8 @@ from harness.ranks import run_ranks
 from sluice.api.types import Sample
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.tasks import TASKS
-from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+from sluice.tasks.spec import TinyLlamaSpec
+from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.step import plan_step, run_step, step_normaliser
 

@@ -34,7 +34,8 @@ from sluice.api import GenerationRequest, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm
 from sluice.tasks import TASKS
-from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+from sluice.tasks.spec import TinyLlamaSpec
+from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 
 MODELS = {
     "tiny": TinyLlamaSpec(128, 2, 2, 1, 256, 256),

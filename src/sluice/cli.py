@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from sluice.config import ConfigError, dump_config, load_config
+from sluice.config import ConfigError, SluiceConfig, dump_config, load_config
 
 if TYPE_CHECKING:
     from sluice.rollout.evaluate import EvalScores
@@ -111,7 +111,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         console.print(dump_config(cfg), end="", markup=False, highlight=False)
         return 0
-    _check_model_path(cfg.model.path)
+    _check_before_torch(cfg)
     from sluice.controller.preemption import RunPreempted
     from sluice.rl_trainer import RLTrainer
     from sluice.telemetry import TrainProgress
@@ -137,12 +137,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = load_config(None, [*args.overrides, f"model.path={args.model_dir}"])
-    _check_model_path(cfg.model.path)
-    from sluice.data import check_user_data
+    _check_before_torch(cfg)
+    if args.data:
+        from sluice.data import check_user_data
+
+        check_user_data(cfg, reward_given=False, files="--data")
     from sluice.rl_trainer import RLTrainer
 
-    if args.data:
-        check_user_data(cfg, reward_given=False, files="--data")
     trainer = RLTrainer(cfg)
     trainer.init_engines(train=False)
     if args.data:
@@ -162,12 +163,16 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_model_path(path: str | None) -> None:
-    """A wrong ``model.path`` is said before torch and transformers are imported (seconds)."""
-    if path:
+def _check_before_torch(cfg: SluiceConfig) -> None:
+    """A wrong ``model.path``, task name, agentic section or data setting is said before torch and
+    transformers are imported (seconds)."""
+    from sluice.preflight import preflight
+
+    if cfg.model.path:
         from sluice.engines.model_folder import check_model_dir
 
-        check_model_dir(path)
+        check_model_dir(cfg.model.path)
+    preflight(cfg, reward_given=False)
 
 
 def _scores(scores: EvalScores, k: int) -> str:

@@ -31,7 +31,6 @@ import torch
 
 from sluice.api import PromptItem, RewardFn, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config
-from sluice.config.agentic import check_agentic
 from sluice.controller.pipelines import PipelineSpec
 from sluice.controller.preemption import Preemption, RunPreempted, preemptible
 from sluice.controller.processes import run_tag, tagged_run
@@ -40,13 +39,13 @@ from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
 from sluice.controller.training import run_training
 from sluice.dag.run_dag import place_dag, plan_for_run
-from sluice.data import DatasetError, PromptBuilder, PromptSet, PromptStream, check_user_data, in_memory, prompt_limit
+from sluice.data import DatasetError, PromptBuilder, PromptSet, PromptStream, in_memory, prompt_limit
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
+from sluice.preflight import preflight
 from sluice.rewards import build_reward_service, check_reward
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
-from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
@@ -76,12 +75,8 @@ class RLTrainer:
     """One RL run: ``RLTrainer(config).fit()``; or call the verbs one by one."""
 
     def __init__(self, config: SluiceConfig, *, reward: RewardFn | None = None) -> None:
-        if config.task.name not in TASKS:
-            raise ConfigError(f"task.name: unknown task {config.task.name!r} (built-in: {', '.join(TASKS)})")
         self.config = config
-        self.task: TaskSpec = TASKS[config.task.name]
-        check_agentic(config, self.task.env)
-        check_user_data(config, reward_given=reward is not None)
+        self.task: TaskSpec = preflight(config, reward_given=reward is not None)
         check_reward(config.reward, reward, self.max_new_tokens)  # reward.fn / by_source imported: errors here
         self.reward: RewardFn = reward or self.task.reward
         self.run_dir = (Path(config.run.output_dir) / config.run.name).absolute()

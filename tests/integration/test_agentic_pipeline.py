@@ -10,7 +10,8 @@ import pytest
 from sluice import RLTrainer
 from sluice.config import load_config
 from sluice.tasks import TASKS
-from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+from sluice.tasks.spec import TinyLlamaSpec
+from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 from tiny import tiny_run_overrides
 
 

@@ -115,7 +115,8 @@ def test_two_data_parallel_ranks_give_one_process_update(
     gradient sum per step would move the losses and weights."""
     critic = ["trainer.algorithm=ppo", "trainer.gae_lambda=0.95"] if updates == "critic" else []
     common = ["run.backend=ray", "run.steps=2", *(PPO_UPDATES if updates != "one" else []), *critic]
-    one_process = ["run.mode=async", "rollout.max_staleness=0"]
+    # the reference on the local backend: η = 0 computes the same numbers on both (test_golden_losses)
+    one_process = ["run.mode=async", "rollout.max_staleness=0", "run.backend=local"]
     one, one_weights = _one_process(model_dir, shared_tmp_path, f"dp1-{updates}", *common, *one_process)
     # the ranks under the sync schedule with PPO's updates: the same steps as η = 0 streaming
     two_mode = ["run.mode=sync"] if updates != "one" else ["run.mode=async", "rollout.max_staleness=0"]

@@ -93,7 +93,8 @@ def test_the_loop_by_hand_stops_on_the_same_budget(tiny_task_model, tmp_path):
 
 def test_an_environment_that_always_fails_stops_the_run_with_one_line(tmp_path):
     from sluice.tasks import TASKS
-    from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+    from sluice.tasks.spec import TinyLlamaSpec
+    from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 
     model = tmp_path / "calculator_model"
     tok = build_char_tokenizer(TASKS["calculator"].alphabet)

@@ -48,12 +48,15 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needle):
         (["train", "rollout.nope=1"], "rollout.nope: unknown key"),
         (["train", "model.path=/no/such/model"], "model.path: /no/such/model does not exist"),
         (["eval", "/no/such/model"], "model.path: /no/such/model does not exist"),
+        (["train", "task.name=nosuch"], "task.name: unknown task 'nosuch'"),
+        (["train", "data.train_files=rows.jsonl"], "rollout.max_new_tokens: must be set with data.train_files"),
     ],
 )
 def test_a_config_error_is_reported_without_importing_torch(tmp_path, args, needle):
-    """Naming a wrong key or model folder must not wait seconds for torch and transformers to
-    import: the CLI checks ``model.path`` first and asks only the error classes of modules
-    already imported (``cli._user_errors``)."""
+    """Naming a wrong key, model folder, task or data setting must not wait seconds for torch and
+    transformers to import: the CLI checks ``model.path`` and the rest ``sluice.preflight`` can
+    check first, and asks only the error classes of modules already imported
+    (``cli._user_errors``)."""
     child = (
         f"import sys; from sluice.cli import main; code = main({args!r}); "
         "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
@@ -70,7 +73,8 @@ def test_malformed_dataset_row_and_model_folder(tmp_path):
     assert proc.returncode == 2 and "has no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
 
-    from sluice.tasks.tiny_model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama
+    from sluice.tasks.spec import TinyLlamaSpec
+    from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 
     tok = build_char_tokenizer("0123456789>-")
     model = build_tiny_llama(TinyLlamaSpec(hidden_size=32, num_hidden_layers=1, intermediate_size=64), tok, 0)

@@ -21,8 +21,7 @@ from sluice.rewards import exact_match_reward
 from sluice.rollout.envs import TINY_CHAT
 from sluice.rollout.envs.calculator import problem
 from sluice.rollout.envs.guess_number import SPAN, secret
-from sluice.tasks.spec import SftRecipe, TaskSpec
-from sluice.tasks.tiny_model import TinyLlamaSpec
+from sluice.tasks.spec import SftRecipe, TaskSpec, TinyLlamaSpec
 
 TOOL_SHARE_LOW = 0.2
 """Share of calculator demonstrations that call the tool when the first operand is below ``TOOL_FROM``."""

@@ -17,8 +17,7 @@ import random
 from typing import Any
 
 from sluice.rewards import exact_match_reward
-from sluice.tasks.spec import SftRecipe, TaskSpec
-from sluice.tasks.tiny_model import TinyLlamaSpec
+from sluice.tasks.spec import SftRecipe, TaskSpec, TinyLlamaSpec
 
 SHORT_SHARE = 0.7
 SHORT_LENGTHS = (3, 6)

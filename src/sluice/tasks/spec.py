@@ -12,7 +12,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.api import RewardFn
-from sluice.tasks.tiny_model import TinyLlamaSpec
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Shape of the tiny model; the vocabulary is padded up to a multiple of 8."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    intermediate_size: int = 384
+    max_position_embeddings: int = 128
 
 
 @dataclass(frozen=True)

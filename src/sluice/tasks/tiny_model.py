@@ -8,11 +8,13 @@ exactly the way a user's own model folder is loaded. No training happens here
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from sluice.tasks.spec import TinyLlamaSpec
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
@@ -41,18 +43,6 @@ def build_char_tokenizer(alphabet: str, chat_template: str | None = None) -> Pre
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
-
-
-@dataclass(frozen=True)
-class TinyLlamaSpec:
-    """Shape of the tiny model; the vocabulary is padded up to a multiple of 8."""
-
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    intermediate_size: int = 384
-    max_position_embeddings: int = 128
 
 
 def build_tiny_llama(spec: TinyLlamaSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
