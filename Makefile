@@ -6,6 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
+# Packages go in with uv (each venv gets uv from pip first): it installs in parallel, compiles no
+# bytecode up front and keeps one cache (~/.cache/uv) that every later venv links from, so a
+# venv takes seconds where pip took minutes. scripts/uv_args.py hands uv the package sources
+# pip is configured with (uv does not read pip.conf): this machine's CPU torch is a local wheel.
+UV_ARGS = $(shell $(PYTHON) scripts/uv_args.py) -c $(CONSTRAINTS)
 
 .PHONY: run test test-quick test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
 
@@ -20,8 +25,8 @@ sandbox-deps:
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) "torch==2.13.0"
-	$(BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) -e ".[dev]"
+	$(BIN)/pip install --quiet --disable-pip-version-check "uv==0.13.9"
+	$(BIN)/uv pip install --quiet --python $(BIN)/python $(UV_ARGS) "torch==2.13.0" -e ".[dev]"
 	@$(BIN)/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v.startswith('2.13.0') else 'wrong torch: ' + v)"
 	touch $(STAMP)
 
@@ -86,11 +91,12 @@ vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) "torch==2.13.0"
-	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) "$(VLLM_PIN)"
-	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) --no-deps -e .
-	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) $(VLLM_EXTRA_DEPS)
-	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check "uv==0.13.9"
+	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) "torch==2.13.0"
+	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) "$(VLLM_PIN)"
+	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) --no-deps -e .
+	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) $(VLLM_EXTRA_DEPS)
+	$(VLLM_BIN)/uv pip uninstall --quiet --python $(VLLM_BIN)/python torchvision torchaudio torchcodec triton
 	@$(VLLM_BIN)/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v.startswith('2.13.0') else 'wrong torch: ' + v)"
 	$(VLLM_BIN)/python -c "import transformers, vllm, sluice.engines.vllm_engine; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)

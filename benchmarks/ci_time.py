@@ -12,7 +12,8 @@ subprocesses tests start (``sluice train`` runs, agents; interpreter and torch s
 included), and building tiny models and warm starts (``benchmarks/ci_time_plugin.py`` measures
 them); then the 20 slowest tests over all targets. Writes the JSON (``--out``). It measures only:
 it never changes what a target runs. ``--durations`` writes each test's seconds for
-``tests/conftest.py``, which starts the longest tests first (two workers then end together).
+``tests/conftest.py``, which starts the longest test files first (two workers then end
+together); take them from a ``--clone`` run, where every cache is built from nothing as in CI.
 """
 
 from __future__ import annotations

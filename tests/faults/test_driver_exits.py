@@ -25,7 +25,11 @@ from tiny import tiny_run_overrides
 
 pytestmark = [pytest.mark.faults, pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")]
 
-STEPS = 4
+STEPS = 6
+"""Steps of a run. The mid-step signal comes a random 0-0.2 s after step 1 is logged, and a tiny
+local-backend step takes well under 0.1 s: each reward call waits 0.1 s (``reward.latency_s``, no
+CPU) and five steps remain, so a loaded machine's late poll still finds the run mid-way (with 4
+steps and no wait, all 4 were once done)."""
 GROUPS, GROUP_SIZE = 4, 4  # rollout.prompts_per_step, rollout.group_size of tiny_run_overrides
 LEFTOVER_GRACE_S = 30.0
 """How long the run's processes have to be gone after the driver is (Ray's agents take seconds)."""
@@ -33,6 +37,7 @@ LEFTOVER_GRACE_S = 30.0
 
 def _overrides(model_dir, out, name, backend, *extra):
     small = ["rollout.max_new_tokens=12", "task.eval_prompts=4", "run.mode=async", "rollout.max_staleness=0"]
+    small += ["reward.latency_s=0.1"]
     return [*tiny_run_overrides(model_dir, out, name), *small, f"run.backend={backend}", f"run.steps={STEPS}", *extra]
 
 
