@@ -6,10 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
-# Packages go in with uv (each venv gets uv from pip first): it installs in parallel, compiles no
-# bytecode up front and keeps one cache (~/.cache/uv) that every later venv links from, so a
-# venv takes seconds where pip took minutes. scripts/uv_args.py hands uv the package sources
-# pip is configured with (uv does not read pip.conf): this machine's CPU torch is a local wheel.
+# Packages go in with uv (each venv gets uv from pip first): it installs in parallel and keeps
+# one cache (~/.cache/uv) that every later venv takes from, so a venv takes seconds where pip
+# took minutes. --compile-bytecode (of the whole site-packages, so once, last), as pip does:
+# with PYTHONDONTWRITEBYTECODE set no process writes a .pyc, and every Ray worker would compile
+# torch and transformers from source (Ray-backend tests ran 2-3x slower). scripts/uv_args.py
+# hands uv the package sources pip is configured with (uv does not read pip.conf): this
+# machine's CPU torch is a local wheel.
 UV_ARGS = $(shell $(PYTHON) scripts/uv_args.py) -c $(CONSTRAINTS)
 
 .PHONY: run test test-quick test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
@@ -26,7 +29,7 @@ sandbox-deps:
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "uv==0.13.9"
-	$(BIN)/uv pip install --quiet --python $(BIN)/python $(UV_ARGS) "torch==2.13.0" -e ".[dev]"
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python $(UV_ARGS) "torch==2.13.0" -e ".[dev]"
 	@$(BIN)/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v.startswith('2.13.0') else 'wrong torch: ' + v)"
 	touch $(STAMP)
 
@@ -95,7 +98,7 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) "torch==2.13.0"
 	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) "$(VLLM_PIN)"
 	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) --no-deps -e .
-	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) $(VLLM_EXTRA_DEPS)
+	$(VLLM_BIN)/uv pip install --quiet --compile-bytecode --python $(VLLM_BIN)/python $(UV_ARGS) $(VLLM_EXTRA_DEPS)
 	$(VLLM_BIN)/uv pip uninstall --quiet --python $(VLLM_BIN)/python torchvision torchaudio torchcodec triton
 	@$(VLLM_BIN)/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(0 if v.startswith('2.13.0') else 'wrong torch: ' + v)"
 	$(VLLM_BIN)/python -c "import transformers, vllm, sluice.engines.vllm_engine; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
