@@ -44,13 +44,13 @@ from pathlib import Path
 
 import numpy as np
 import ray
+from distflow.runtime import MultiControllerRun, SingleControllerRun
+from distflow.worker import RuntimeSettings
 from harness import dag_real
 from harness.report import write_results
 
 from sluice.dag import compile_dag, parse_dag
 from sluice.dag.loader import IndexPrompts
-from sluice.dag.runtime import MultiControllerRun, SingleControllerRun
-from sluice.dag.worker import RuntimeSettings
 
 GROUPS, GROUP_SIZE = 16, 4
 OUT = Path(__file__).resolve().parent / "results" / "dag.json"

@@ -10,7 +10,6 @@ checks that need the tokenizer or the reward's module (rows, reward functions) s
 from __future__ import annotations
 
 from sluice.config import ConfigError, SluiceConfig
-from sluice.config.agentic import check_agentic
 from sluice.data import check_user_data
 from sluice.tasks import TASKS
 from sluice.tasks.spec import TaskSpec
@@ -24,3 +23,18 @@ def preflight(config: SluiceConfig, reward_given: bool) -> TaskSpec:
     check_agentic(config, task.env)
     check_user_data(config, reward_given=reward_given)
     return task
+
+
+def check_agentic(config: SluiceConfig, task_env: str | None) -> None:
+    """A multi-turn run needs ``num_env_groups`` at least the step's groups; an agent excludes an
+    explicit ``env`` and the barrier mode. Raises ``ConfigError`` naming the field."""
+    agentic = config.agentic
+    if agentic.agent is not None and agentic.env is not None:
+        raise ConfigError(f"agentic.agent: {agentic.agent!r} and agentic.env: {agentic.env!r} exclude each other")
+    if agentic.agent is not None and agentic.mode == "barrier":
+        raise ConfigError("agentic.mode: 'barrier' moves Env episodes in lockstep; an agent's turns are its own")
+    if agentic.num_env_groups is not None and agentic.num_env_groups < config.rollout.prompts_per_step:
+        raise ConfigError(
+            f"agentic.num_env_groups: {agentic.num_env_groups} is below rollout.prompts_per_step "
+            f"({config.rollout.prompts_per_step})"
+        )

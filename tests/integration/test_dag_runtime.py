@@ -6,11 +6,11 @@ one cursor per shard, metrics aggregated at rank 0, and the staleness bound with
 from __future__ import annotations
 
 import pytest
+from distflow.runtime import MultiControllerRun, SingleControllerRun
+from distflow.worker import RuntimeSettings
 
 from sluice.dag import compile_dag, parse_dag
 from sluice.dag.loader import IndexPrompts
-from sluice.dag.runtime import MultiControllerRun, SingleControllerRun
-from sluice.dag.worker import RuntimeSettings
 
 pytestmark = pytest.mark.integration
 
@@ -93,9 +93,8 @@ def test_the_gate_answers_same_node_workers_over_its_socket(ray_cluster):
     import threading
 
     import ray
-
-    from sluice.dag.gate import ServedGate
-    from sluice.dag.peer import Peer
+    from distflow.gate import ServedGate
+    from distflow.peer import Peer
 
     gate = ray.remote(ServedGate).options(num_cpus=0, max_concurrency=8).remote(2, 0, 2, 1)
     try:

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from sluice.api import Partition, QueueClient
-from sluice.queue import QueueIterableDataset, RayQueue
+from sluice.queue import AsyncRayQueue, QueueIterableDataset, RayQueue
 from unit import test_queue as shared
 from unit import test_queue_lifecycle as lifecycle
 
@@ -108,7 +108,7 @@ def test_producers_and_consumers_in_ray_tasks(make_queue) -> None:
 
 def test_async_client_producers_and_consumers_and_dataset(make_queue) -> None:
     q = make_queue()
-    aq = q.as_async()
+    aq = AsyncRayQueue(q)
 
     async def main() -> list[int]:
         await aq.register_task("t", ["x"])

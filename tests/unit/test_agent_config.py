@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sluice.config import ConfigError, load_config
-from sluice.config.agentic import check_agentic
+from sluice.preflight import check_agentic
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.envs import TINY_CHAT_TEMPLATE
 

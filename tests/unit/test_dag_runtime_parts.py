@@ -8,11 +8,11 @@ import threading
 
 import numpy as np
 import pytest
+from distflow.gate import AdmissionGate
+from distflow.transport import DriverTransport, payload_bytes
 
 from sluice.api import Batch, RowMeta
-from sluice.dag.gate import AdmissionGate
 from sluice.dag.loader import IndexPrompts, ShardLoader, shard_range
-from sluice.dag.transport import DriverTransport, payload_bytes
 from sluice.queue.packed import PackedColumn, offsets_of
 
 

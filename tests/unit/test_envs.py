@@ -10,7 +10,7 @@ import pytest
 
 from sluice.api import Env, ToolEnv
 from sluice.config import ConfigError, load_config
-from sluice.config.agentic import check_agentic
+from sluice.preflight import check_agentic
 from sluice.rollout.envs import TINY_CHAT, CalculatorEnv, GuessNumberEnv, env_factory
 from sluice.rollout.envs.calculator import calculate
 from sluice.tasks import TASKS

@@ -8,14 +8,11 @@ tasks (``task.name: calculator | guess_number``) their own environment.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from sluice.config.section import Section
-
-if TYPE_CHECKING:
-    from sluice.config.models import SluiceConfig
 
 
 class AgenticConfig(Section):
@@ -120,20 +117,3 @@ class AgenticConfig(Section):
     (the template re-renders history differently): ``refuse`` answers the call with an error and
     fails the episode; ``restart`` starts a new segment from that prompt, dropping the earlier
     turns from training. Either way it is counted (``env_agent_mismatches``)."""
-
-
-def check_agentic(config: SluiceConfig, task_env: str | None) -> None:
-    """A multi-turn run needs ``num_env_groups`` at least the step's groups; an agent excludes an
-    explicit ``env`` and the barrier mode. Raises ``ConfigError`` naming the field."""
-    from sluice.config import ConfigError
-
-    agentic = config.agentic
-    if agentic.agent is not None and agentic.env is not None:
-        raise ConfigError(f"agentic.agent: {agentic.agent!r} and agentic.env: {agentic.env!r} exclude each other")
-    if agentic.agent is not None and agentic.mode == "barrier":
-        raise ConfigError("agentic.mode: 'barrier' moves Env episodes in lockstep; an agent's turns are its own")
-    if agentic.num_env_groups is not None and agentic.num_env_groups < config.rollout.prompts_per_step:
-        raise ConfigError(
-            f"agentic.num_env_groups: {agentic.num_env_groups} is below rollout.prompts_per_step "
-            f"({config.rollout.prompts_per_step})"
-        )

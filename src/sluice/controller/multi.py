@@ -313,8 +313,9 @@ class MultiController:
 
 def _rollout_kwargs_of(pipeline: RayPipeline) -> dict[str, Any]:
     from sluice.controller.pipelines import rollout_kwargs
+    from sluice.queue import AsyncRayQueue
 
-    return rollout_kwargs(pipeline.spec, pipeline.queue.as_async(), pipeline.placement.replica_options())
+    return rollout_kwargs(pipeline.spec, AsyncRayQueue(pipeline.queue), pipeline.placement.replica_options())
 
 
 def _raise_cause(ended: asyncio.Future[Any]) -> None:

@@ -64,7 +64,7 @@ class RayPipeline(_Pipeline):
     def __init__(self, spec: PipelineSpec, prompts: PromptStream, address: str | None = None) -> None:
         import ray
 
-        from sluice.queue import RayQueue
+        from sluice.queue import AsyncRayQueue, RayQueue
 
         super().__init__(spec, prompts)
         ensure_ray(address)
@@ -88,7 +88,7 @@ class RayPipeline(_Pipeline):
         rollout_options.update(max_restarts=self.rollout_restarts_allowed, max_task_retries=0)
         rollout_cls: Any = supervised(self.rollout_class).options(**rollout_options)
         replicas = self.placement.replica_options()
-        self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, self.queue.as_async(), replicas))
+        self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, AsyncRayQueue(self.queue), replicas))
         self.rollout_restarts = 0
         self._recovering = asyncio.Lock()
         self._syncing: int | None = None

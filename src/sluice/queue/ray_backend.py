@@ -32,7 +32,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
@@ -43,9 +43,6 @@ from sluice.queue.lifecycle import common_rows
 from sluice.queue.packed import MetaRows, meta_array
 from sluice.queue.ray_actors import _Storage
 from sluice.queue.request import ReadRequest, check_put
-
-if TYPE_CHECKING:
-    from sluice.queue.ray_async import AsyncRayQueue
 from sluice.queue.storage import (
     merge_reads,
     merge_snapshots,
@@ -62,7 +59,7 @@ logger = logging.getLogger(__name__)
 class RayQueue:
     """Blocking TransferQueue client over Ray actors (implements ``sluice.api.queue.QueueClient``).
 
-    Picklable. Do not call it from an async actor's event loop; use ``as_async()`` there.
+    Picklable. Do not call it from an async actor's event loop; wrap it in ``AsyncRayQueue`` (``ray_async.py``) there.
     """
 
     def __init__(
@@ -99,11 +96,6 @@ class RayQueue:
         for task, input_columns in (tasks or {}).items():
             queue.register_task(task, input_columns)
         return queue
-
-    def as_async(self) -> AsyncRayQueue:
-        from sluice.queue.ray_async import AsyncRayQueue
-
-        return AsyncRayQueue(self)
 
     def register_task(self, task: str, input_columns: Sequence[str]) -> None:
         handle = ray.get(self.units[0].create_controller.remote(task, list(input_columns)))

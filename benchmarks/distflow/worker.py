@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from distflow.peer import Peer, endpoint_of
 from sluice.api import Batch, Partition, RowMeta, Shard
 from sluice.dag.functions import NodeContext, apply_node, resolve_function
 from sluice.dag.loader import PromptSource, ShardLoader
-from sluice.dag.peer import Peer, endpoint_of
 from sluice.dag.planner import Plan
 from sluice.dag.spec import DagError, DagNode
 from sluice.queue.storage import PLACEMENT_BLOCK

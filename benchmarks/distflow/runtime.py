@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from distflow.gate import ServedGate
+from distflow.transport import DriverBytes, DriverTransport
+from distflow.worker import WARM_SPAN, DagWorker, RuntimeSettings
 from sluice.api import Batch, RowMeta
-from sluice.dag.gate import ServedGate
 from sluice.dag.planner import Plan, WorkerGroup
-from sluice.dag.transport import DriverBytes, DriverTransport
-from sluice.dag.worker import WARM_SPAN, DagWorker, RuntimeSettings
 
 WARM_PARTITIONS = 1 << 40
 """Partition ids from here on carry ``ready``'s warm-up rows (no step ever reads them)."""
@@ -135,7 +135,7 @@ class SingleControllerRun(_Run):
         """Ray's by-value path to and from each worker, with a buffer as big as a warm-up row."""
         import numpy as np
 
-        from sluice.dag.worker import WARM_ROW_BYTES
+        from distflow.worker import WARM_ROW_BYTES
 
         t = self.transport
         payload = np.zeros(WARM_ROW_BYTES, dtype=np.uint8)

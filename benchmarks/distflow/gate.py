@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from distflow.peer import endpoint_of
 from sluice.controller.staleness import StalenessGate
-from sluice.dag.peer import endpoint_of
 
 
 class AdmissionGate:
