@@ -85,6 +85,9 @@ class FakeInferenceEngine:
     def stats(self) -> dict[str, float]:
         return {"requests": float(len(self.requests)), "version": float(self.version)}
 
+    def weights_checksum(self) -> float:
+        return float(self.version)
+
 
 class FakeTrainEngine:
     """A ``TrainEngine`` with one scalar weight ``w`` and plain-float arithmetic, recording its calls.

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from sluice.api import Completion, GenerationRequest, InferenceEngine, Sample, SamplingParams
+from sluice.api import Completion, GenerationRequest, Sample, SamplingParams, VersionedEngine
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.engines.hf_train import HFTrainEngine
@@ -127,7 +127,7 @@ def _recomputed(model: Any, completions: list[Completion], temperature: float) -
 
 
 def test_engine_satisfies_protocol(engine: VLLMEngine) -> None:
-    assert isinstance(engine, InferenceEngine)
+    assert isinstance(engine, VersionedEngine)
 
 
 def test_greedy_tokens_and_logprobs_match_hf(engine: VLLMEngine, model_dir: Path, loop) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from sluice.api.protocols import InferenceEngine
+from sluice.api.protocols import VersionedEngine
 from sluice.api.types import Completion, GenerationRequest, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine, sample_tokens
 from tiny import tiny_llama
@@ -59,7 +59,7 @@ def _mixed_requests() -> list[GenerationRequest]:
 
 
 def test_engine_satisfies_protocol(model: LlamaForCausalLM) -> None:
-    assert isinstance(HFInferenceEngine(model), InferenceEngine)
+    assert isinstance(HFInferenceEngine(model), VersionedEngine)
 
 
 def test_continuous_batching_equals_one_at_a_time(model: LlamaForCausalLM) -> None:

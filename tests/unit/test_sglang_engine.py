@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fake_sglang import FakeSGLangServer
-from sluice.api import Completion, GenerationRequest, InferenceEngine, SamplingParams
+from sluice.api import Completion, GenerationRequest, SamplingParams, VersionedEngine
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.sglang_engine import SGLangEngine, SGLangError, SGLangHTTP
@@ -61,7 +61,7 @@ def _check_tokens(server: FakeSGLangServer, c: Completion, shifts: dict[int, int
 def test_generate_sends_sglang_payloads_and_reads_tokens(model_dir: Path, server, tmp_path: Path) -> None:
     async def main() -> list[Completion]:
         engine = _engine(model_dir, server, tmp_path)
-        assert isinstance(engine, InferenceEngine)
+        assert isinstance(engine, VersionedEngine)
         stop = (5 + 2 * server.shift) % server.vocab  # the second token after prompt (1, 5)
         return await asyncio.gather(engine.generate(_req("a", 6, temperature=0.5)),
                                     engine.generate(_req("b", 6, stop_token_ids=(stop,))))  # fmt: skip

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from sluice.api import GenerationRequest, InferenceEngine, SamplingParams
+from sluice.api import GenerationRequest, SamplingParams, VersionedEngine
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
 
 
@@ -33,7 +33,7 @@ def _makespan(config: SimEngineConfig, n: int) -> float:
 
 
 def test_is_an_inference_engine() -> None:
-    assert isinstance(SimEngine(), InferenceEngine)
+    assert isinstance(SimEngine(), VersionedEngine)
 
 
 def test_iteration_time_grows_past_the_knee_and_the_cap_queues() -> None:

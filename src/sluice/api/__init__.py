@@ -16,6 +16,7 @@ from sluice.api.protocols import (
     RewardFailure,
     RewardFn,
     TrainEngine,
+    VersionedEngine,
     WeightSync,
 )
 from sluice.api.queue import (
@@ -73,5 +74,6 @@ __all__ = [
     "StorageUnit",
     "ToolEnv",
     "TrainEngine",
+    "VersionedEngine",
     "WeightSync",
 ]

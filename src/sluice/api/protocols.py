@@ -59,6 +59,20 @@ class InferenceEngine(Protocol):
 
 
 @runtime_checkable
+class VersionedEngine(InferenceEngine, Protocol):
+    """An engine that holds its weights itself (HF, vLLM, SGLang, simulated), as one replica of a
+    fleet does; the ``LLMProxy`` in front of replicas is an ``InferenceEngine`` but not this."""
+
+    version: int
+    """The weights version new tokens are generated with."""
+
+    def weights_checksum(self) -> float:
+        """A fingerprint of the weights it holds (the float64 sum of every element, tied aliases
+        once): a resumed or replaced replica proves it holds the trainer's weights."""
+        ...
+
+
+@runtime_checkable
 class ExpectsRequests(Protocol):
     """An in-process engine that can wait, briefly, for requests it is told are on their way (an
     agent's next call, a round trip after its last answer) instead of decoding a batch they

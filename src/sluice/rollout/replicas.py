@@ -16,9 +16,9 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
-from sluice.api import Completion, GenerationRequest, InferenceEngine, Replica, ReplicaLost
+from sluice.api import Completion, GenerationRequest, Replica, ReplicaLost, VersionedEngine
 from sluice.api.protocols import WeightUpdateMode
 
 logger = logging.getLogger(__name__)
@@ -27,9 +27,9 @@ HEALTH = "health"
 
 
 class LocalReplica:
-    """An ``InferenceEngine`` in this process (its generate runs on this event loop)."""
+    """A ``VersionedEngine`` in this process (its generate runs on this event loop)."""
 
-    def __init__(self, engine: InferenceEngine) -> None:
+    def __init__(self, engine: VersionedEngine) -> None:
         self.engine = engine
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -162,8 +162,8 @@ async def engine_fingerprint(replica: Replica) -> tuple[int, float]:
     if isinstance(replica, RayReplica):
         stats, checksum = await replica.stats(), await _answer(replica.handle.weights_checksum.remote())
         return int(stats["version"]), float(checksum)
-    engine: Any = replica.engine if isinstance(replica, LocalReplica) else replica
-    return int(engine.version), float(engine.weights_checksum())
+    engine = replica.engine if isinstance(replica, LocalReplica) else cast(VersionedEngine, replica)
+    return engine.version, engine.weights_checksum()
 
 
 async def watch_replicas(replicas: Callable[[], list[Replica]], timeout_s: float, counts: dict[str, float]) -> None:

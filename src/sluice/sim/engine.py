@@ -236,6 +236,10 @@ class SimEngine:
             "version_activated_at": self._activated_at,
         }
 
+    def weights_checksum(self) -> float:
+        """A simulated engine holds no weights: its version stands for them."""
+        return float(self.version)
+
     def _now(self) -> float:
         try:
             return asyncio.get_running_loop().time() / self.config.time_scale
