@@ -30,9 +30,9 @@ from typing import Any
 from harness.sim_agentic import SimAgenticPipeline
 from harness.sim_env import SimEnvConfig
 
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
 
 # The LLM is never the bottleneck here: one replica whose decode time does not grow with the

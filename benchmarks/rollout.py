@@ -49,13 +49,13 @@ from typing import Any
 from harness.engine_runs import long_tail_requests, run_builtin, run_hf_generate, run_vllm, throughput_row
 
 from sluice.api import LengthPredictor, PromptItem
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
 from sluice.rollout.filters import zero_signal
 from sluice.rollout.length_ranker import OnlineLengthRanker, top_share_recall
 from sluice.rollout.single_turn import sample_seed
 from sluice.rollout.skew_dispatch import LongTailSplit
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
 from sluice.sim.pipeline import SimPipeline, SimTrainerConfig, stalled_together_s
 from sluice.sim.task import SimReward, sim_prompts

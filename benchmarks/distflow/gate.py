@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from distflow.peer import endpoint_of
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.staleness import StalenessGate
 
 
 class AdmissionGate:

@@ -264,7 +264,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _run_stops() -> tuple[type[Exception], ...]:
-    from sluice.controller.failures import RunStopped
+    from sluice.schedule.failures import RunStopped
 
     return (RunStopped,)
 

@@ -11,7 +11,7 @@ from fakes import FaultyReward, FlakyReward
 from sluice import RLTrainer
 from sluice.cli import main
 from sluice.config import load_config
-from sluice.controller.failures import FailureBudgetExceeded
+from sluice.schedule.failures import FailureBudgetExceeded
 from tiny import tiny_run_overrides
 
 pytestmark = pytest.mark.integration

@@ -7,9 +7,9 @@ import asyncio
 import tracemalloc
 
 from fakes import FakePipeline, length_reward
-from sluice.controller.ledger import GroupLedger, GroupState
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.ledger import GroupLedger, GroupState
+from sluice.schedule.staleness import StalenessGate
 from sluice.telemetry.metrics import JsonlMetrics
 
 

@@ -26,13 +26,13 @@ from sluice.controller.checkpoint import (
     truncate_log,
     write_driver_state,
 )
-from sluice.controller.ledger import GroupLedger, GroupState
 from sluice.controller.loop import Controller
 from sluice.controller.resume import capture_cut
-from sluice.controller.staleness import StalenessGate
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.queue.snapshot import groups_snapshot
+from sluice.schedule.ledger import GroupLedger, GroupState
+from sluice.schedule.staleness import StalenessGate
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync

@@ -23,10 +23,10 @@ from sluice.controller.checkpoint import (
     open_run,
     write_driver_state,
 )
-from sluice.controller.ledger import GroupLedger, GroupState
 from sluice.controller.resume import STATE_CLASSES, AsyncCut, DriverState, open_checkpoints, read_driver_state
-from sluice.controller.staleness import StalenessGate
 from sluice.controller.state_codec import StateCodecError, dumps, loads
+from sluice.schedule.ledger import GroupLedger, GroupState
+from sluice.schedule.staleness import StalenessGate
 from sluice.trainer.rng_state import capture_rng
 
 

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fakes import FakePipeline
-from sluice.controller.ledger import GroupLedger, GroupState
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.ledger import GroupLedger, GroupState
+from sluice.schedule.staleness import StalenessGate
 
 
 def _run(pipeline, eta, groups_per_step=4, steps=8, redundant=0):

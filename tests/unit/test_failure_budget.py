@@ -10,10 +10,7 @@ import pytest
 
 from fakes import FakeEnv, FakeInferenceEngine, FakePipeline, FaultyReward
 from sluice.api import GroupReport, PromptItem, SamplingParams
-from sluice.controller.failures import FailureBudget, FailureBudgetExceeded, RunStopped
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
 from sluice.rewards import RewardService
@@ -22,6 +19,9 @@ from sluice.rollout.episode import EpisodeLimits, EpisodeRunner
 from sluice.rollout.groups import GroupRunner
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.trajectory import ChatFormat
+from sluice.schedule.failures import FailureBudget, FailureBudgetExceeded, RunStopped
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 from sluice.sim import run_virtual
 from sluice.sim.task import SimTokenizer
 

@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fakes import FakePipeline
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 
 
 def _run(eta, forced_lag, groups_per_step=4, steps=10, slots=4):

@@ -9,9 +9,9 @@ import pytest
 from harness.sim_agentic import SimAgenticPipeline
 from harness.sim_env import SimEnv, SimEnvConfig, SimEnvCrash
 
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
 
 ENGINE = SimEngineConfig(decode_s=0.01, knee=1024, max_running=1024, load_s=0.0,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
 from sluice.rollout.filters import zero_signal
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
 from sluice.sim.pipeline import SimPipeline, SimTrainerConfig, stalled_together_s
 from sluice.sim.task import SimReward, sim_prompts

@@ -5,12 +5,13 @@ import random
 import pytest
 
 from sluice.api import GroupReport
-from sluice.controller.failures import FailureBudget, RunStopped
-from sluice.controller.step_gate import StepGate
+from sluice.schedule.failures import FailureBudget, RunStopped
+from sluice.schedule.staleness import StalenessGate
+from sluice.schedule.step_gate import StepGate
 
 
 def _gate(b=4, eta=1, steps=6, budget=1.0):
-    return StepGate(b, eta, steps, FailureBudget(budget, 4))
+    return StepGate(StalenessGate(b, eta), steps, FailureBudget(budget, 4))
 
 
 def _report(credit, reason=None, failed_by=None, size=2):

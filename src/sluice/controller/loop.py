@@ -26,9 +26,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from sluice.api import GroupReport, PromptItem
-from sluice.controller.failures import FailureBudget, RunStopped
-from sluice.controller.ledger import GroupLedger, GroupState
 from sluice.controller.supervision import WorkerLost
+from sluice.schedule.failures import FailureBudget, RunStopped
+from sluice.schedule.ledger import GroupLedger, GroupState
 
 
 class Pipeline(Protocol):

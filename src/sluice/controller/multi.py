@@ -27,20 +27,20 @@ from typing import Any
 
 from sluice.api import Credit, GroupReport
 from sluice.config import ConfigError
-from sluice.controller.failures import FailureBudget, RunStopped
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import StepCallback
 from sluice.controller.pipelines import PipelineSpec, wait_engine_version
 from sluice.controller.ray_pipeline import RayPipeline, _runtime
 from sluice.controller.ray_supervision import HEALTH, death_detail, supervised
 from sluice.controller.resume import AsyncCut
-from sluice.controller.staleness import StalenessGate
-from sluice.controller.step_gate import GateCut, StepGate
 from sluice.controller.supervision import Heartbeat
 from sluice.dag.loader import PromptFile
 from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
 from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
+from sluice.schedule.failures import FailureBudget, RunStopped
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
+from sluice.schedule.step_gate import GateCut, StepGate
 
 NODE_STOP_S = 5.0
 """How long the end of a run waits for the node workers' last step (done by then, unless stopped early)."""
@@ -72,7 +72,7 @@ class MultiRayPipeline(RayPipeline):
         self._actor_names = {a._actor_id.hex(): name for name, a in self._named_actors()}
         gate_cls: Any = ray.remote(StepGate).options(num_cpus=0, max_concurrency=64)
         failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
-        self.gate = gate_cls.remote(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.run.steps, failures)
+        self.gate = gate_cls.remote(StalenessGate.of(cfg.rollout), cfg.run.steps, failures)
         self.cursors: list[dict[str, int]] = []
         """Each prompt shard's cursor at the end of the run (``stop_shards``)."""
         self.node_rows: dict[str, int] = {}
@@ -248,15 +248,14 @@ class MultiController:
     def __init__(
         self,
         pipeline: MultiRayPipeline,
-        groups_per_step: int,
-        max_staleness: int,
+        gate: StalenessGate,
         *,
         barrier: bool,
     ) -> None:
         self.pipeline = pipeline
         self.barrier = barrier
         self.version = pipeline.engine_version
-        self.ledger = GroupLedger(StalenessGate(groups_per_step, max_staleness))
+        self.ledger = GroupLedger(gate)
         """The run's books: the gate's, fetched when the loop ends (empty until then)."""
         self.reports: dict[int, GroupReport] = {}
         """The reports of the step being logged (``step_stats`` reads them)."""

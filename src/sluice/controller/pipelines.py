@@ -23,7 +23,6 @@ from sluice.api import GroupReport, PromptItem, RewardFn, SamplingParams, Weight
 from sluice.config import SluiceConfig
 from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
-from sluice.controller.failures import RunStopped
 from sluice.controller.supervision import Heartbeat
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.planner import compile_dag
@@ -35,6 +34,7 @@ from sluice.queue.snapshot import groups_snapshot
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
+from sluice.schedule.failures import RunStopped
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.ppo import CriticSpec
 from sluice.trainer.sections import algorithm_of, critic_of

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from sluice.api import GroupReport, PromptItem
 from sluice.config.data import EvalConfig
-from sluice.controller.failures import RunStopped
 from sluice.controller.pipelines import (
     PipelineSpec,
     _Pipeline,
@@ -46,6 +45,7 @@ from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
+from sluice.schedule.failures import RunStopped
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
 

@@ -41,11 +41,11 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.checkpoint import read_driver_state as read_state_file
-from sluice.controller.ledger import GroupLedger, GroupRecord, GroupState
 from sluice.controller.loop import Controller
 from sluice.controller.run_state import LOGS, TrainingRun
-from sluice.controller.staleness import StalenessGate
 from sluice.rollout.evaluate import EvalResult, EvalScores
+from sluice.schedule.ledger import GroupLedger, GroupRecord, GroupState
+from sluice.schedule.staleness import StalenessGate
 from sluice.trainer.rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)

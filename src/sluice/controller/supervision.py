@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sluice.controller.failures import RunStopped
+from sluice.schedule.failures import RunStopped
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,8 +18,6 @@ import logging
 import time
 
 from sluice.config import ConfigError, SluiceConfig
-from sluice.controller.failures import FailureBudget, RunStopped
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller, StepCallback
 from sluice.controller.multi import MultiController, MultiRayPipeline
 from sluice.controller.pipelines import LocalPipeline, PipelineSpec
@@ -34,11 +32,13 @@ from sluice.controller.resume import (
     save_checkpoint,
 )
 from sluice.controller.run_state import TrainingRun
-from sluice.controller.staleness import StalenessGate
 from sluice.controller.supervision import Watchdog, supervised
 from sluice.dag.loader import write_prompt_file
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
+from sluice.schedule.failures import FailureBudget, RunStopped
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 from sluice.telemetry.cpu import CpuMeter
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
@@ -112,15 +112,14 @@ async def run_training(
         run.base_eval = base
         _stop_if_asked(stop, run)
         before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
-        gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, cfg.rollout.forced_lag)
+        gate = StalenessGate.of(cfg.rollout)
         env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
         ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
         barrier = cfg.run.mode == "sync"
         failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
         controller: Controller | MultiController
         if isinstance(pipeline, MultiRayPipeline):  # the workers admit; the driver bumps versions
-            eta = cfg.rollout.max_staleness
-            controller = MultiController(pipeline, cfg.rollout.prompts_per_step, eta, barrier=barrier)
+            controller = MultiController(pipeline, gate, barrier=barrier)
         else:
             controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier, failures=failures)
         # a silent worker, or a loop that stops moving, ends the run (controller/supervision.py)

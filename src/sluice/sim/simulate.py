@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sluice.api import GroupReport, PromptItem
-from sluice.controller.ledger import GroupLedger
 from sluice.controller.loop import Controller
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 from sluice.sim.clock import run_virtual
 from sluice.sim.contention import SharedDevice
 from sluice.sim.cost_model import TrainerCost

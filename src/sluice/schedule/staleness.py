@@ -13,6 +13,10 @@ and counts what it did.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sluice.config.models import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -30,15 +34,34 @@ class StalenessGate:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
+    @classmethod
+    def of(cls, rollout: RolloutConfig) -> StalenessGate:
+        """The gate of a run's ``rollout`` section (the one place that reads ``max_staleness``)."""
+        return cls(rollout.prompts_per_step, rollout.max_staleness, rollout.forced_lag)
+
+    def quota(self, version: int) -> int:
+        """How many groups (accepted, trained or generating) the run may hold at ``version``."""
+        return (version + self.max_staleness + 1) * self.groups_per_step
+
     def capacity(self, version: int, accepted: int, in_flight: int) -> int:
-        """How many more groups may be admitted now.
+        """How many more groups may be admitted now (push admission: the driver's waves).
 
         ``accepted`` counts groups written to the queue and not discarded (trained ones
         included); ``in_flight`` counts groups still generating. Discarded or aborted groups
         are in neither, so they return their credit.
         """
-        limit = (version + self.max_staleness + 1) * self.groups_per_step
-        return max(0, limit - accepted - in_flight)
+        return max(0, self.quota(version) - accepted - in_flight)
+
+    def may_open(self, step: int, version: int) -> bool:
+        """Whether a group may be admitted for step ``step`` at ``version`` (pull admission: a
+        credit names its step). Steps up to ``v + η`` of ``B`` slots each: the same ``quota``."""
+        return (step + 1) * self.groups_per_step <= self.quota(version)
+
+    def deadlines(self, version: int) -> list[tuple[int, int]]:
+        """The deadlines strictly between step ``version`` and the admission bound, as
+        ``(step d, newest version due)``: every group of a version ``≤ d − η`` is trained by step
+        ``d`` (``must_include`` is deadline ``version`` itself; ``v + η`` and later fit by ``quota``)."""
+        return [(d, d - self.max_staleness) for d in range(version + 1, version + self.max_staleness)]
 
     def must_include(self, group_version: int, version: int) -> bool:
         """Whether step ``version → version + 1`` must train a group of ``group_version``."""

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.staleness import StalenessGate
 
 
 class GroupState(Enum):
@@ -137,7 +137,7 @@ class GroupLedger:
         return bisect.bisect_right(self._trained_versions, version) + live
 
     def _quota(self, version: int) -> int:
-        return (version + self.gate.max_staleness + 1) * self.gate.groups_per_step
+        return self.gate.quota(version)
 
     def admitted(self, group_id: int, version: int) -> None:
         if group_id in self.groups:
@@ -198,9 +198,8 @@ class GroupLedger:
 
         (Deadline ``v`` is the must-include rule; ``v + η`` and later always fit, by the
         admission bound.)"""
-        eta, per_step = self.gate.max_staleness, self.gate.groups_per_step
-        for deadline in range(version + 1, version + eta):
-            newest = deadline - eta  # groups of version <= newest must be trained by `deadline`
+        per_step = self.gate.groups_per_step
+        for deadline, newest in self.gate.deadlines(version):  # versions <= newest: trained by `deadline`
             due = sum(1 for g in open_groups if g.version <= newest and g is not take)
             if engine_version <= newest:  # admission can still add groups of that version
                 due += self.capacity(engine_version)

@@ -21,9 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from sluice.api import Credit, GroupReport
-from sluice.controller.failures import FailureBudget, RunStopped
-from sluice.controller.ledger import GroupLedger
-from sluice.controller.staleness import StalenessGate
+from sluice.schedule.failures import FailureBudget, RunStopped
+from sluice.schedule.ledger import GroupLedger
+from sluice.schedule.staleness import StalenessGate
 
 
 @dataclass
@@ -40,12 +40,13 @@ class GateCut:
 
 
 class StepGate:
-    def __init__(self, groups_per_step: int, max_staleness: int, steps: int, failures: FailureBudget) -> None:
+    def __init__(self, gate: StalenessGate, steps: int, failures: FailureBudget) -> None:
         self.failures = failures
         """Judges every reported group: over budget, ``report`` raises ``RunStopped`` (the reporting
         worker's loop ends with it, and the driver's run with its one line) and no credit follows."""
-        self.ledger = GroupLedger(StalenessGate(groups_per_step, max_staleness))
-        self.groups_per_step, self.max_staleness, self.steps = groups_per_step, max_staleness, steps
+        self.gate = gate
+        self.ledger = GroupLedger(gate)
+        self.groups_per_step, self.steps = gate.groups_per_step, steps
         self.version = 0
         """The version every engine holds (the driver's ``advance``)."""
         self.next_group = 0
@@ -61,7 +62,7 @@ class StepGate:
     def _open_step(self) -> int | None:
         """The lowest step with a free slot that the staleness bound lets start now."""
         for step in range(self.trained_steps, self.steps):
-            if step > self.version + self.max_staleness:
+            if not self.gate.may_open(step, self.version):
                 return None
             if len(self.filled[step]) + self.pending[step] < self.groups_per_step:
                 return step
