@@ -71,7 +71,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy src/sluice/api src/sluice/controller src/sluice/trainer src/sluice/queue src/sluice/schedule
+	$(BIN)/mypy src/sluice/api src/sluice/controller src/sluice/trainer src/sluice/queue src/sluice/schedule src/sluice/runtime
 
 unit: $(STAMP) sandbox-deps
 	$(BIN)/pytest tests/unit

@@ -124,12 +124,12 @@ def profile_trainer(prompts_per_step: int = 32, steps: int = 8, skip: int = 2, c
     trained tokens, prompts included. Returns the mean over the steps after ``skip``, and every
     sampled group's response lengths (``response_lengths``, one list per prompt)."""
     from sluice.config import load_config
-    from sluice.controller.pipelines import queue_tasks, trainer_kwargs
     from sluice.engines.hf_inference import HFInferenceEngine
     from sluice.engines.hf_model import load_causal_lm
     from sluice.queue import LocalQueue
     from sluice.queue.samples import samples_to_rows
     from sluice.rl_trainer import RLTrainer
+    from sluice.runtime.pipelines import queue_tasks, trainer_kwargs
     from sluice.trainer.worker import TrainerWorker
     from sluice.weights import InProcessWeightSync
 

@@ -112,8 +112,8 @@ def _train(args: argparse.Namespace) -> int:
         console.print(dump_config(cfg), end="", markup=False, highlight=False)
         return 0
     _check_before_torch(cfg)
-    from sluice.controller.preemption import RunPreempted
     from sluice.rl_trainer import RLTrainer
+    from sluice.runtime.preemption import RunPreempted
     from sluice.telemetry import TrainProgress
 
     trainer = RLTrainer(cfg)

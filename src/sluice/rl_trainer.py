@@ -31,9 +31,6 @@ import torch
 
 from sluice.api import PromptItem, RewardFn, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config
-from sluice.controller.pipelines import PipelineSpec
-from sluice.controller.preemption import Preemption, RunPreempted, preemptible
-from sluice.controller.processes import run_tag, tagged_run
 from sluice.controller.resume import open_checkpoints
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
@@ -46,6 +43,9 @@ from sluice.preflight import preflight
 from sluice.rewards import build_reward_service, check_reward
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
+from sluice.runtime.pipelines import PipelineSpec
+from sluice.runtime.preemption import Preemption, RunPreempted, preemptible
+from sluice.runtime.processes import run_tag, tagged_run
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress

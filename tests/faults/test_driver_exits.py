@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from integration.test_resume import _steps_logged, trained_ids
-from sluice.controller.processes import run_tag, tagged_processes
+from sluice.runtime.processes import run_tag, tagged_processes
 from tiny import tiny_run_overrides
 
 pytestmark = [pytest.mark.faults, pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")]

@@ -21,7 +21,7 @@ from test_resume import _records, _steps_logged, _wait_for, trained_ids
 from fakes import length_reward
 from sluice import RLTrainer
 from sluice.config import load_config
-from sluice.controller.processes import run_tag, tagged_processes
+from sluice.runtime.processes import run_tag, tagged_processes
 from sluice.schedule.failures import RunStopped
 from tiny import tiny_run_overrides
 

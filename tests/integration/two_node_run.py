@@ -18,8 +18,8 @@ from fakes import length_reward
 from sluice import RLTrainer
 from sluice.api import SamplingParams
 from sluice.config import load_config
-from sluice.controller.pipelines import PipelineSpec
-from sluice.controller.ray_pipeline import RayPipeline
+from sluice.runtime.pipelines import PipelineSpec
+from sluice.runtime.ray_pipeline import RayPipeline
 from tiny import tiny_run_overrides
 
 NODE = {"num_cpus": 2, "object_store_memory": 96 * 1024**2}

@@ -93,7 +93,7 @@ def test_the_pipelines_queue_frees_each_row_once_every_task_read_it(tiny_task_mo
     soak run's storage actor); a trained row is freed now, so it holds the rows in flight only."""
     from sluice import RLTrainer
     from sluice.config import load_config
-    from sluice.controller.pipelines import LocalPipeline
+    from sluice.runtime.pipelines import LocalPipeline
     from tiny import tiny_run_overrides
 
     per_step, eta, group_size, steps = 4, 1, 4, 6

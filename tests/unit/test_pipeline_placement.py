@@ -11,8 +11,10 @@ import pytest
 from fakes import length_reward
 from sluice.api import SamplingParams
 from sluice.config import load_config
-from sluice.controller.pipelines import LocalPipeline, PipelineSpec, queue_tasks
-from sluice.controller.placement import (
+from sluice.queue import LocalQueue
+from sluice.queue.samples import SAMPLE_COLUMNS
+from sluice.runtime.pipelines import LocalPipeline, PipelineSpec, queue_tasks
+from sluice.runtime.placement import (
     actor_cpu_share,
     bundle_node,
     check_fits,
@@ -20,9 +22,7 @@ from sluice.controller.placement import (
     node_address,
     plan_placement,
 )
-from sluice.controller.ray_pipeline import RayPipeline
-from sluice.queue import LocalQueue
-from sluice.queue.samples import SAMPLE_COLUMNS
+from sluice.runtime.ray_pipeline import RayPipeline
 from sluice.trainer.ppo import VALUES_COLUMN
 from sluice.trainer.worker import TRAIN_TASK
 

@@ -1,5 +1,5 @@
-"""The run tag, the sweeps and the reaper (``controller/processes.py``) and the stop request
-(``controller/preemption.py``) on real processes: plain ``python -c`` sleepers carrying a tag."""
+"""The run tag, the sweeps and the reaper (``runtime/processes.py``) and the stop request
+(``runtime/preemption.py``) on real processes: plain ``python -c`` sleepers carrying a tag."""
 
 import contextlib
 import os
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sluice.controller import processes
-from sluice.controller.preemption import RunPreempted, preemptible
-from sluice.controller.processes import (
+from sluice.runtime import processes
+from sluice.runtime.preemption import RunPreempted, preemptible
+from sluice.runtime.processes import (
     DRIVER_VAR,
     TAG_VAR,
     driver_id,
@@ -124,7 +124,7 @@ DRIVER = textwrap.dedent(
     """
     import subprocess, sys, time
     sys.path.insert(0, {src!r})
-    from sluice.controller.processes import tagged_run
+    from sluice.runtime.processes import tagged_run
     with tagged_run({run_dir!r}):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
         print(child.pid, flush=True)
@@ -154,7 +154,7 @@ UNTAGGED_DRIVER = textwrap.dedent(
     """
     import os, subprocess, sys, time
     sys.path.insert(0, {src!r})
-    from sluice.controller.processes import tagged_run
+    from sluice.runtime.processes import tagged_run
     bare = {{"PATH": os.environ["PATH"]}}  # what /proc shows of a process that overwrote its environment
     argv = [sys.executable, "-c", "import time; time.sleep(60)"]
     before = subprocess.Popen(argv, env=bare, start_new_session=True)  # not the run's
@@ -208,8 +208,8 @@ SIGNALLED = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
     sys.path.insert(0, {src!r})
-    from sluice.controller.preemption import preemptible
-    from sluice.controller.processes import tagged_run
+    from sluice.runtime.preemption import preemptible
+    from sluice.runtime.processes import tagged_run
     with tagged_run({run_dir!r}) as tag, preemptible(tag):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         print(child.pid, flush=True)
@@ -234,7 +234,7 @@ def test_a_second_signal_kills_the_run_at_once(tmp_path):
 
 def test_ray_actors_get_the_run_tag_in_their_runtime_env(monkeypatch):
     """A cluster this driver did not start does not inherit its environment: the actors get it."""
-    from sluice.controller.ray_pipeline import _runtime
+    from sluice.runtime.ray_pipeline import _runtime
 
     monkeypatch.setenv(TAG_VAR, "abc")
     monkeypatch.setenv(DRIVER_VAR, "1-2")

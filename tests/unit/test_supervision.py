@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from sluice.controller.supervision import Heartbeat, Watchdog, WorkerDied, WorkerStalled, supervised
+from sluice.runtime.supervision import Heartbeat, Watchdog, WorkerDied, WorkerStalled, supervised
 
 TIMEOUT = 0.4
 
@@ -141,8 +141,8 @@ def test_a_reset_direct_queue_connection_names_the_actor_serving_it(tmp_path, se
 
     from ray.exceptions import RayTaskError
 
-    from sluice.controller.ray_supervision import explain_death
     from sluice.queue.direct import PREFIX, PeerUnreachable, call
+    from sluice.runtime.ray_supervision import explain_death
 
     address = str(tmp_path / f"{PREFIX}123-0-{served}.sock")
     with Listener(address, family="AF_UNIX") as listener:  # an actor that dies as the call arrives

@@ -11,7 +11,7 @@ import pytest
 from fakes import length_reward
 from sluice.api import SamplingParams
 from sluice.config import load_config
-from sluice.controller.pipelines import PipelineSpec, rollout_kwargs
+from sluice.runtime.pipelines import PipelineSpec, rollout_kwargs
 from sluice.telemetry.trace import (
     DROPPED,
     SpanRecorder,

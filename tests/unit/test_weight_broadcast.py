@@ -101,7 +101,7 @@ def test_views_refuse_the_other_role() -> None:
 def test_fleet_config_picks_the_transfer() -> None:
     from sluice.config import load_config
     from sluice.config.fleet import FleetConfig
-    from sluice.controller.pipelines import weight_syncs
+    from sluice.runtime.pipelines import weight_syncs
 
     trainer, engines = weight_syncs(FleetConfig(weight_transfer="broadcast", broadcast_backend="gloo"), "unused")
     assert isinstance(trainer, BroadcastWeightSync) and isinstance(engines, BroadcastWeightSync)

@@ -1,7 +1,7 @@
 """Config section ``resources``: where a run's workers run and what each may use: rollout replica
 and trainer rank counts, threads, CPUs and GPUs per replica and per rank, node labels, and
 whether rollout and trainer share nodes (``placement``). It is the one owner of these numbers;
-``controller/placement.py`` turns them into Ray placement groups. This module only declares and
+``runtime/placement.py`` turns them into Ray placement groups. This module only declares and
 validates; the table of the options it replaced lives in ``config/loading.py``.
 """
 

@@ -26,13 +26,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from sluice.api import GroupReport, PromptItem
-from sluice.controller.supervision import WorkerLost
+from sluice.runtime.supervision import WorkerLost
 from sluice.schedule.failures import FailureBudget, RunStopped
 from sluice.schedule.ledger import GroupLedger, GroupState
 
 
 class Pipeline(Protocol):
-    """What the loop drives (``controller/pipelines.py`` builds local and Ray ones)."""
+    """What the loop drives (``runtime/pipelines.py`` builds local and Ray ones)."""
 
     engine_version: int
     """The policy version every engine holds now."""

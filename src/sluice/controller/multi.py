@@ -28,15 +28,15 @@ from typing import Any
 from sluice.api import Credit, GroupReport
 from sluice.config import ConfigError
 from sluice.controller.loop import StepCallback
-from sluice.controller.pipelines import PipelineSpec, wait_engine_version
-from sluice.controller.ray_pipeline import RayPipeline, _runtime
-from sluice.controller.ray_supervision import HEALTH, death_detail, supervised
 from sluice.controller.resume import AsyncCut
-from sluice.controller.supervision import Heartbeat
 from sluice.dag.loader import PromptFile
 from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
 from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
+from sluice.runtime.pipelines import PipelineSpec, wait_engine_version
+from sluice.runtime.ray_pipeline import RayPipeline, _runtime
+from sluice.runtime.ray_supervision import HEALTH, death_detail, supervised
+from sluice.runtime.supervision import Heartbeat
 from sluice.schedule.failures import FailureBudget, RunStopped
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
@@ -311,8 +311,8 @@ class MultiController:
 
 
 def _rollout_kwargs_of(pipeline: RayPipeline) -> dict[str, Any]:
-    from sluice.controller.pipelines import rollout_kwargs
     from sluice.queue import AsyncRayQueue
+    from sluice.runtime.pipelines import rollout_kwargs
 
     return rollout_kwargs(pipeline.spec, AsyncRayQueue(pipeline.queue), pipeline.placement.replica_options())
 

@@ -23,11 +23,11 @@ from typing import Any, TypeVar
 from sluice.api import GroupReport, PromptItem
 from sluice.config import ConfigError, SluiceConfig
 from sluice.config.data import EvalConfig
-from sluice.controller.pipelines import LocalPipeline, PipelineSpec
-from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.training import place_single
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
+from sluice.runtime.pipelines import LocalPipeline, PipelineSpec
+from sluice.runtime.ray_pipeline import RayPipeline
 from sluice.schedule.failures import FailureBudget
 
 T = TypeVar("T")

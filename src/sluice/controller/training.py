@@ -3,12 +3,12 @@
 Every mode runs here: ``run.mode: async`` is the controller's streaming schedule under the
 staleness bound, ``run.mode: sync`` the same controller and workers with the barrier schedule
 (admit a step's groups, wait for all of them, train, sync weights). It places the workers
-(``controller/pipelines.py``, ``controller/ray_pipeline.py``), runs the base, periodic
+(``runtime/pipelines.py``, ``runtime/ray_pipeline.py``), runs the base, periodic
 (``run.eval_every``) and final evaluations on the rollout engine (none with ``run.eval_every: 0``
 or an empty evaluation set), turns group reports into per-step statistics, saves the final
 model and writes the timeline (``trace.json``), the sample-fate counters and, every
 ``tracking.samples_every`` steps, a few of the trained samples (``samples.jsonl``). A stop request
-(SIGTERM / SIGINT, ``controller/preemption.py``) ends the loop after the current step with a
+(SIGTERM / SIGINT, ``runtime/preemption.py``) ends the loop after the current step with a
 checkpoint. It adds no scheduling logic of its own.
 """
 
@@ -20,9 +20,6 @@ import time
 from sluice.config import ConfigError, SluiceConfig
 from sluice.controller.loop import Controller, StepCallback
 from sluice.controller.multi import MultiController, MultiRayPipeline
-from sluice.controller.pipelines import LocalPipeline, PipelineSpec
-from sluice.controller.preemption import Preemption, RunPreempted
-from sluice.controller.ray_pipeline import RayPipeline
 from sluice.controller.resume import (
     AsyncCut,
     DriverState,
@@ -32,10 +29,13 @@ from sluice.controller.resume import (
     save_checkpoint,
 )
 from sluice.controller.run_state import TrainingRun
-from sluice.controller.supervision import Watchdog, supervised
 from sluice.dag.loader import write_prompt_file
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
+from sluice.runtime.pipelines import LocalPipeline, PipelineSpec
+from sluice.runtime.preemption import Preemption, RunPreempted
+from sluice.runtime.ray_pipeline import RayPipeline
+from sluice.runtime.supervision import Watchdog, supervised
 from sluice.schedule.failures import FailureBudget, RunStopped
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
@@ -122,7 +122,7 @@ async def run_training(
             controller = MultiController(pipeline, gate, barrier=barrier)
         else:
             controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier, failures=failures)
-        # a silent worker, or a loop that stops moving, ends the run (controller/supervision.py)
+        # a silent worker, or a loop that stops moving, ends the run (runtime/supervision.py)
         watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress)
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:

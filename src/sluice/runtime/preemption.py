@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from sluice.controller.processes import kill_own_processes
+from sluice.runtime.processes import kill_own_processes
 
 log = logging.getLogger(__name__)
 

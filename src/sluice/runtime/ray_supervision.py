@@ -2,7 +2,7 @@
 actor, and a dead actor's one line.
 
 ``supervised(cls)`` makes a worker class a Ray actor class whose ``heartbeat`` (the process's CPU
-seconds) runs in a concurrency group of its own, so ``controller/supervision.py``'s watchdog is
+seconds) runs in a concurrency group of its own, so ``runtime/supervision.py``'s watchdog is
 answered while the actor trains or generates; the worker classes themselves stay Ray-free.
 ``explain_death`` turns a Ray actor error (found among an exception's causes) into
 ``WorkerDied``: which worker, its pid and why, in one line.
@@ -19,8 +19,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from sluice.controller.supervision import WorkerDied
 from sluice.queue.direct import PeerUnreachable
+from sluice.runtime.supervision import WorkerDied
 
 ROLLOUT_RESTARTS = 3
 """How many times Ray restarts a dead rollout worker before its death stops the run."""

@@ -1,8 +1,8 @@
 """The ``ray`` placement of the asynchronous pipeline: one Ray actor per role (rollout, each trainer
 rank, the reference and critic-values workers) plus the queue's storage and controller actors,
 the rollout and trainer actors in the placement groups ``resources`` asks for
-(``controller/placement.py``), with each actor's thread settings. It builds the same parts as ``LocalPipeline``
-(``controller/pipelines.py``) from the same ``PipelineSpec``; it decides nothing about what runs
+(``runtime/placement.py``), with each actor's thread settings. It builds the same parts as ``LocalPipeline``
+(``runtime/pipelines.py``) from the same ``PipelineSpec``; it decides nothing about what runs
 when.
 """
 
@@ -17,7 +17,12 @@ from typing import Any, TypeVar
 
 from sluice.api import GroupReport, PromptItem
 from sluice.config.data import EvalConfig
-from sluice.controller.pipelines import (
+from sluice.dag.node_worker import NodeTaskWorker
+from sluice.dag.spec import DagNode
+from sluice.data import PromptStream
+from sluice.rollout.evaluate import EvalResult
+from sluice.rollout.worker import RolloutWorker
+from sluice.runtime.pipelines import (
     PipelineSpec,
     _Pipeline,
     node_worker_kwargs,
@@ -28,9 +33,9 @@ from sluice.controller.pipelines import (
     wait_engine_version,
     weight_syncs,
 )
-from sluice.controller.placement import RayPlacement, actor_cpu_share, plan_placement
-from sluice.controller.processes import DRIVER_VAR, TAG_VAR
-from sluice.controller.ray_supervision import (
+from sluice.runtime.placement import RayPlacement, actor_cpu_share, plan_placement
+from sluice.runtime.processes import DRIVER_VAR, TAG_VAR
+from sluice.runtime.ray_supervision import (
     HEALTH,
     RESTART_TIMEOUT_S,
     ROLLOUT_RESTARTS,
@@ -39,12 +44,7 @@ from sluice.controller.ray_supervision import (
     supervised,
     when_alive,
 )
-from sluice.controller.supervision import Heartbeat, WorkerDied, WorkerLost
-from sluice.dag.node_worker import NodeTaskWorker
-from sluice.dag.spec import DagNode
-from sluice.data import PromptStream
-from sluice.rollout.evaluate import EvalResult
-from sluice.rollout.worker import RolloutWorker
+from sluice.runtime.supervision import Heartbeat, WorkerDied, WorkerLost
 from sluice.schedule.failures import RunStopped
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
@@ -354,7 +354,7 @@ async def _awaited(ref: Any) -> Any:
 
 def _runtime(threads: int, oversubscribed: bool) -> dict[str, Any]:
     """An actor's environment: the real thread count goes to OpenMP (its Ray CPUs are placement
-    bookkeeping, ``controller/placement.py``)."""
+    bookkeeping, ``runtime/placement.py``)."""
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env.update({var: os.environ[var] for var in (TAG_VAR, DRIVER_VAR) if var in os.environ})  # the run tag
     if oversubscribed:  # spinning OpenMP workers would steal cores from the other actor
@@ -364,7 +364,7 @@ def _runtime(threads: int, oversubscribed: bool) -> dict[str, Any]:
 
 def ensure_ray(address: str | None) -> None:
     """Join ``address``, or start one local Ray instance sized for this machine (once per process).
-    A SIGTERM handler installed before (the run's, ``controller/preemption.py``), which ``ray.init``
+    A SIGTERM handler installed before (the run's, ``runtime/preemption.py``), which ``ray.init``
     replaces with its own, is put back."""
     import ray
 

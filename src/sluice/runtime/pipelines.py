@@ -6,7 +6,7 @@ Queue tasks after generation get a worker of their own: the reference log-probs 
 for PPO, the critic's values (with a second weight sync carrying the critic the trainer updates).
 ``local`` runs the rollout worker on the event loop and the trainer in a worker thread (torch
 releases the GIL in its kernels, so they overlap); ``ray`` gives each role its own actor and
-process (``controller/ray_pipeline.py``). Nothing here decides what to run when.
+process (``runtime/ray_pipeline.py``). Nothing here decides what to run when.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from sluice.api import GroupReport, PromptItem, RewardFn, SamplingParams, Weight
 from sluice.config import SluiceConfig
 from sluice.config.data import EvalConfig
 from sluice.config.fleet import FleetConfig
-from sluice.controller.supervision import Heartbeat
 from sluice.dag.node_worker import NodeTaskWorker
 from sluice.dag.planner import compile_dag
 from sluice.dag.run_dag import DagPlacement, place_dag
@@ -34,6 +33,7 @@ from sluice.queue.snapshot import groups_snapshot
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
+from sluice.runtime.supervision import Heartbeat
 from sluice.schedule.failures import RunStopped
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.ppo import CriticSpec
