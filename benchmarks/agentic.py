@@ -31,6 +31,7 @@ from harness.sim_agentic import SimAgenticPipeline
 from harness.sim_env import SimEnvConfig
 
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
@@ -75,7 +76,7 @@ def run_variant(
     )
     redundant = (num_env_groups or groups) - groups
     ledger = GroupLedger(StalenessGate(groups, 0), redundant_groups=redundant)
-    controller = Controller(pipeline, ledger, groups)
+    controller = Controller(pipeline, PushAdmission(pipeline, ledger, groups))
     ends: list[float] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:

@@ -50,6 +50,7 @@ from harness.engine_runs import long_tail_requests, run_builtin, run_hf_generate
 
 from sluice.api import LengthPredictor, PromptItem
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.rollout.filters import zero_signal
 from sluice.rollout.length_ranker import OnlineLengthRanker, top_share_recall
 from sluice.rollout.single_turn import sample_seed
@@ -119,7 +120,7 @@ def run_variant(
         long_tail=long_tail,
     )
     ledger = GroupLedger(StalenessGate(prompts_per_step, eta), redundant_groups=redundant)
-    controller = Controller(pipeline, ledger, prompts_per_step)
+    controller = Controller(pipeline, PushAdmission(pipeline, ledger, prompts_per_step))
     ends: list[float] = []
     exposed: list[float] = []
 

@@ -8,6 +8,7 @@ import tracemalloc
 
 from fakes import FakePipeline, length_reward
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.schedule.ledger import GroupLedger, GroupState
 from sluice.schedule.staleness import StalenessGate
 from sluice.telemetry.metrics import JsonlMetrics
@@ -17,7 +18,7 @@ def test_the_controller_holds_only_the_reports_of_groups_not_yet_trained() -> No
     eta, per_step, steps = 2, 4, 30
     pipe = FakePipeline(lambda gid: 0.001 * (gid % 3), discard=lambda gid: "scripted" if gid % 7 == 3 else None)
     ledger = GroupLedger(StalenessGate(per_step, eta))
-    controller = Controller(pipe, ledger, per_step)
+    controller = Controller(pipe, PushAdmission(pipe, ledger, per_step))
     held: list[int] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
@@ -69,7 +70,7 @@ def test_the_ledgers_per_report_questions_never_scan_every_group() -> None:
     pipe = FakePipeline(lambda gid: 0.001 * (gid % 5), discard=lambda gid: gid % 9 == 4)
     groups = _CountingGroups()
     ledger = GroupLedger(StalenessGate(per_step, eta), groups=groups, redundant_groups=2)
-    controller = Controller(pipe, ledger, per_step)
+    controller = Controller(pipe, PushAdmission(pipe, ledger, per_step))
     _CountingGroups.scans = 0
     checked = []
 
@@ -102,7 +103,7 @@ def test_the_pipelines_queue_frees_each_row_once_every_task_read_it(tiny_task_mo
     trainer.init_engines()
     trainer.load_prompt_data()
     pipeline = LocalPipeline(trainer.pipeline_spec(), trainer.prompts)
-    controller = Controller(pipeline, GroupLedger(StalenessGate(per_step, eta)), per_step)
+    controller = Controller(pipeline, PushAdmission(pipeline, GroupLedger(StalenessGate(per_step, eta)), per_step))
     held: list[int] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:

@@ -27,7 +27,7 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.loop import Controller
-from sluice.controller.resume import capture_cut
+from sluice.controller.push import PushAdmission
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.queue.snapshot import groups_snapshot
@@ -176,12 +176,12 @@ def test_controller_cut_then_resume_trains_every_admitted_group_exactly_once():
 
     gate = StalenessGate(4, 2)
     first = FakePipeline(slow_tail)
-    controller = Controller(first, GroupLedger(gate), 4)
+    controller = Controller(first, PushAdmission(first, GroupLedger(gate), 4))
     cuts = []
 
     async def stop_at_4(version, chosen, metrics):
         if version == 4:
-            cuts.append(capture_cut(controller))
+            cuts.append(await controller.admission.cut())
         return version < 4
 
     asyncio.run(asyncio.wait_for(controller.run(8, stop_at_4), timeout=60))
@@ -191,10 +191,10 @@ def test_controller_cut_then_resume_trains_every_admitted_group_exactly_once():
     assert [gid for _, gid in cut.regenerate] == [18, 19]
     second = FakePipeline(slow_tail)
     second.engine_version = second.trainer_version = 4
-    resumed = Controller(second, GroupLedger(gate), 4)
+    resumed = Controller(second, PushAdmission(second, GroupLedger(gate), 4))
 
     async def resume_and_run():
-        resumed.resume(cut.ledger, cut.reports, cut.next_group, cut.regenerate)
+        await resumed.admission.resume(cut, 4)
 
         async def go_on(version, chosen, metrics):
             return True

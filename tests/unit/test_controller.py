@@ -11,13 +11,14 @@ from hypothesis import strategies as st
 
 from fakes import FakePipeline
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.schedule.ledger import GroupLedger, GroupState
 from sluice.schedule.staleness import StalenessGate
 
 
 def _run(pipeline, eta, groups_per_step=4, steps=8, redundant=0):
     ledger = GroupLedger(StalenessGate(groups_per_step, eta), redundant_groups=redundant)
-    controller = Controller(pipeline, ledger, groups_per_step)
+    controller = Controller(pipeline, PushAdmission(pipeline, ledger, groups_per_step))
 
     async def after_step(version, chosen, metrics):
         return True

@@ -11,6 +11,7 @@ import pytest
 from fakes import FakeEnv, FakeInferenceEngine, FakePipeline, FaultyReward
 from sluice.api import GroupReport, PromptItem, SamplingParams
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
 from sluice.rewards import RewardService
@@ -64,7 +65,7 @@ def test_sources_are_counted_apart_and_a_full_budget_never_stops():
 
 def _controller(pipeline, barrier: bool, budget: FailureBudget | None, eta: int = 1):
     ledger = GroupLedger(StalenessGate(4, 0 if barrier else eta))
-    return Controller(pipeline, ledger, 4, barrier=barrier, failures=budget), ledger
+    return Controller(pipeline, PushAdmission(pipeline, ledger, 4, barrier=barrier, failures=budget)), ledger
 
 
 async def _keep_going(version, chosen, metrics):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from fakes import FakePipeline
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
 
@@ -21,7 +22,7 @@ from sluice.schedule.staleness import StalenessGate
 def _run(eta, forced_lag, groups_per_step=4, steps=10, slots=4):
     pipe = FakePipeline(lambda gid: 0.002 + 0.001 * (gid % 3), slots=slots)
     ledger = GroupLedger(StalenessGate(groups_per_step, eta, forced_lag))
-    controller = Controller(pipe, ledger, groups_per_step)
+    controller = Controller(pipe, PushAdmission(pipe, ledger, groups_per_step))
 
     async def after_step(version, chosen, metrics):
         return True

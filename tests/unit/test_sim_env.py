@@ -10,6 +10,7 @@ from harness.sim_agentic import SimAgenticPipeline
 from harness.sim_env import SimEnv, SimEnvConfig, SimEnvCrash
 
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
 from sluice.sim import LengthModel, SimEngine, SimEngineConfig, run_virtual
@@ -64,7 +65,7 @@ def _run(env: SimEnvConfig, *, steps: int, redundancy: int, env_groups: int, tim
     pipeline = SimAgenticPipeline([SimEngine(ENGINE)], env, group_size=2, group_redundancy=redundancy,
                                   step_timeout_s=timeout, turn_tokens=16)  # fmt: skip
     ledger = GroupLedger(StalenessGate(4, 0), redundant_groups=env_groups - 4)
-    controller = Controller(pipeline, ledger, 4)
+    controller = Controller(pipeline, PushAdmission(pipeline, ledger, 4))
     trained: list[list[int]] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:

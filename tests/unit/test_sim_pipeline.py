@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.rollout.filters import zero_signal
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
@@ -24,7 +25,7 @@ def _run(mode: str, redundant: int, eta: int = 1, steps: int = 6):
         reward=SimReward(0.1), group_filter=zero_signal,
     )  # fmt: skip
     ledger = GroupLedger(StalenessGate(4, eta), redundant_groups=redundant)
-    controller = Controller(pipeline, ledger, 4)
+    controller = Controller(pipeline, PushAdmission(pipeline, ledger, 4))
 
     async def after_step(version, chosen, metrics):
         return True

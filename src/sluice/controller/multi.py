@@ -2,11 +2,12 @@
 
 ``resources.rollout.workers`` rollout workers (``dag/shard_rollout.py``) each load their own
 shard of the prompts (``dag/loader.py``, from the run's prompt file: the driver passes a path,
-never rows), take admission credits from the run's ``StepGate`` actor (``step_gate.py``: a
-small call carrying no sample bytes), and write each group into its step's queue partition. Each
-trainer rank reads its own shard of step ``v``'s partition through the queue's token-balanced
-redistribution (``TrainerWorker.train_partition``), whatever the number of rollout workers. The
-driver only bumps versions, syncs weights and logs:
+never rows), take admission credits from the run's ``StepGate`` actor (``schedule/step_gate.py``:
+a small call carrying no sample bytes), and write each group into its step's queue partition.
+Each trainer rank reads its own shard of step ``v``'s partition through the queue's
+token-balanced redistribution (``TrainerWorker.train_partition``), whatever the number of
+rollout workers. ``MultiRayPipeline`` places those workers; ``PullAdmission`` is the loop's
+admission strategy over them (``loop.py`` runs the one loop of every run):
 
     train step v (every rank reads its shard of partition v) → v + 1 → every engine loads v + 1
       (in the background under η; before the next step in ``sync``) → the gate opens v + 1's slots
@@ -21,14 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from sluice.api import Credit, GroupReport
 from sluice.config import ConfigError
-from sluice.controller.loop import StepCallback
-from sluice.controller.resume import AsyncCut
+from sluice.controller.cut import AsyncCut
 from sluice.dag.loader import PromptFile
 from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
 from sluice.dag.spec import DagNode
@@ -217,6 +216,12 @@ class MultiRayPipeline(RayPipeline):
             raise RuntimeError(f"rollout workers hold different weights: (version, checksum) {[engine, *others]}")
         return trainer, engine
 
+    def end_records(self) -> dict[str, dict[str, float]]:
+        """As ``RayPipeline``'s, and where each worker's prompt shard stands (``shards``)."""
+        cursors = {f"shard{c['rank']}_{k}": float(c[k]) for c in self.cursors for k in ("epoch", "position")}
+        rows = {f"node_rows_{k}": float(v) for k, v in self.node_rows.items()}
+        return {**super().end_records(), "shards": {**cursors, **rows}}
+
     def heartbeats(self) -> list[Heartbeat]:
         """Every worker actor; none is replaced (a lost rollout worker ends the run, named)."""
         from ray.exceptions import ActorDiedError
@@ -242,72 +247,55 @@ class MultiRayPipeline(RayPipeline):
         super().close()
 
 
-class MultiController:
-    """The driver's loop of a multi-controller run: train, bump the version, sync, log."""
+class PullAdmission:
+    """Pull admission (``Admission``): rollout workers take credits from the run's ``StepGate``
+    actor and write each group to its step's partition; every trainer rank reads its shard of
+    the step. The driver admits nothing and chooses nothing; the gate keeps the books."""
 
-    def __init__(
-        self,
-        pipeline: MultiRayPipeline,
-        gate: StalenessGate,
-        *,
-        barrier: bool,
-    ) -> None:
+    def __init__(self, pipeline: MultiRayPipeline, gate: StalenessGate, *, barrier: bool) -> None:
         self.pipeline = pipeline
         self.barrier = barrier
-        self.version = pipeline.engine_version
         self.ledger = GroupLedger(gate)
-        """The run's books: the gate's, fetched when the loop ends (empty until then)."""
+        """The run's books: the gate's, fetched when the run stops (empty until then)."""
         self.reports: dict[int, GroupReport] = {}
-        """The reports of the step being logged (``step_stats`` reads them)."""
-        self.sync_metrics: dict[str, float] = {}
-        self._sync: asyncio.Task[None] | None = None
+        """The reports of the step being logged."""
+        self.reported = 0  # the workers report to the gate, not to the driver
+        self._trained = pipeline.engine_version
         self._resumed: AsyncCut | None = None
+
+    async def start(self, steps: int) -> None:
+        self.pipeline.start_shards(self._resumed)
+
+    async def train_step(self, version: int) -> tuple[list[int], dict[str, float]]:
+        metrics = await self.pipeline.train_step(version)  # every rank, its own shard
+        self.reports = {r.group_id: r for r in await self.pipeline.step_reports(version)}
+        self._trained = version + 1
+        return list(self.reports), metrics
+
+    def logged(self, chosen: list[int]) -> None:
+        self.reports = {}
+
+    async def before_sync(self, version: int) -> bool:
+        return False  # the gate opens the new version's slots once every engine holds it
+
+    def opened(self) -> None:
+        pass  # ``MultiRayPipeline.sync_weights`` advanced the gate
+
+    async def stop(self, failed: bool) -> None:
+        """No more credits; the books (after a failure: so far, if the workers still answer)."""
+        if not failed:
+            self.ledger = await self.pipeline.stop_shards()
+            return
+        with contextlib.suppress(Exception):
+            self.ledger = await asyncio.wait_for(self.pipeline.stop_shards(), STOP_TIMEOUT_S)
+
+    async def cut(self) -> AsyncCut:
+        return await self.pipeline.cut(self._trained)
 
     async def resume(self, cut: AsyncCut, version: int) -> None:
         """Continue a checkpointed run from ``cut``, taken after step ``version``."""
         await self.pipeline.restore_gate(cut, version)
-        self.version, self._resumed = version, cut
-
-    async def cut(self) -> AsyncCut:
-        return await self.pipeline.cut(self.version)
-
-    async def run(self, steps: int, after_step: StepCallback) -> None:
-        self.pipeline.start_shards(self._resumed)
-        try:
-            while self.version < steps:
-                metrics = await self.pipeline.train_step(self.version)  # every rank, its own shard
-                reports = await self.pipeline.step_reports(self.version)
-                self.version += 1
-                await self._await_sync()  # one weight sync in flight at a time
-                self._sync = asyncio.create_task(self._sync_weights(self.version))
-                if self.barrier:  # sync: the engines hold v + 1 before anything else happens
-                    await self._await_sync()
-                self.reports = {r.group_id: r for r in reports}
-                if not await after_step(self.version, list(self.reports), metrics):
-                    break
-            await self._await_sync()
-        except BaseException:
-            if self._sync is not None:
-                self._sync.cancel()
-            with contextlib.suppress(Exception):  # the books so far, if the workers still answer
-                self.ledger = await asyncio.wait_for(self.pipeline.stop_shards(), STOP_TIMEOUT_S)
-            raise
-        self.ledger = await self.pipeline.stop_shards()
-
-    async def _sync_weights(self, version: int) -> None:
-        started = time.monotonic()
-        metrics = await self.pipeline.sync_weights(version)
-        took = time.monotonic() - started
-        stalled = metrics.get("weight_fetch_s", 0.0) + metrics.get("weight_load_s", 0.0)
-        self.sync_metrics = {**metrics, "weight_sync_s": took, "exposed_weight_sync_s": stalled}
-
-    async def _await_sync(self) -> None:
-        if self._sync is not None:
-            await self._sync
-            self._sync = None
-
-    def progress(self) -> tuple[int, int]:
-        return self.version, 0
+        self._trained, self._resumed = version, cut
 
 
 def _rollout_kwargs_of(pipeline: RayPipeline) -> dict[str, Any]:

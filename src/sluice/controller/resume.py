@@ -17,9 +17,8 @@ It does not schedule anything (the loop calls it), knows no file layout beyond
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,7 +40,7 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.checkpoint import read_driver_state as read_state_file
-from sluice.controller.loop import Controller
+from sluice.controller.cut import AsyncCut
 from sluice.controller.run_state import LOGS, TrainingRun
 from sluice.rollout.evaluate import EvalResult, EvalScores
 from sluice.schedule.ledger import GroupLedger, GroupRecord, GroupState
@@ -63,24 +62,6 @@ class CheckpointedPipeline(Protocol):
     async def queue_snapshot(self, group_ids: set[int]) -> dict[str, Any]: ...
 
     async def queue_restore(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class AsyncCut:
-    """The asynchronous controller's books at a step boundary."""
-
-    next_group: int
-    ledger: GroupLedger
-    reports: dict[int, GroupReport]
-    """Reports of groups written to the queue and not yet trained."""
-    regenerate: list[tuple[PromptItem, int]]
-    """Groups still generating: restarted on resume."""
-    queue: dict[str, Any] = field(default_factory=dict)
-    """The queue's state of the written, untrained groups' rows (``queue/snapshot.py``)."""
-    steps: dict[int, int] = field(default_factory=dict)
-    """``run.controller: multi``: the step (queue partition) of every untrained group, by id."""
-    shards: list[dict[str, int]] = field(default_factory=list)
-    """``run.controller: multi``: each rollout worker's prompt-shard cursor at the cut."""
 
 
 @dataclass
@@ -157,8 +138,8 @@ def read_driver_state(path: Path) -> DriverState:
 
 
 async def save_checkpoint(run: TrainingRun, cut: AsyncCut, pipeline: CheckpointedPipeline, version: int) -> Path:
-    """Between steps: the books' ``cut`` first (``capture_cut``, or a multi-controller run's
-    gate and shards), then the trainer's state and the queue's rows of the cut's written groups,
+    """Between steps: the books' ``cut`` first (the admission's: the driver's books, or a
+    multi-controller run's gate and shards), then the trainer's state and the queue's rows of the cut's written groups,
     while generation goes on."""
     state = _driver_state(run, version, cut)
     tmp = run.checkpoints.begin(version)
@@ -178,21 +159,6 @@ async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, s
     run.prompts.position = state.prompt_position
     restore_rng(state.rng)
     return state.base_eval
-
-
-def resume_controller(controller: Controller, state: DriverState) -> None:
-    cut = state.cut
-    controller.resume(copy.deepcopy(cut.ledger), cut.reports, cut.next_group, cut.regenerate)
-
-
-def capture_cut(controller: Controller) -> AsyncCut:
-    """The controller's books now, deep-copied (the run goes on while the checkpoint is written)."""
-    ledger = copy.deepcopy(controller.ledger)
-    open_groups = {gid: g for gid, g in ledger.groups.items() if g.state is GroupState.OPEN}
-    generating = controller.generating_prompts()
-    regenerate = [(generating[gid], gid) for gid, g in sorted(open_groups.items()) if not g.generated]
-    reports = {gid: controller.reports[gid] for gid, g in open_groups.items() if g.generated}
-    return AsyncCut(controller.next_group, ledger, reports, regenerate)
 
 
 def _driver_state(run: TrainingRun, version: int, cut: AsyncCut) -> DriverState:

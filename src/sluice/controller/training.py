@@ -18,16 +18,10 @@ import logging
 import time
 
 from sluice.config import ConfigError, SluiceConfig
-from sluice.controller.loop import Controller, StepCallback
-from sluice.controller.multi import MultiController, MultiRayPipeline
-from sluice.controller.resume import (
-    AsyncCut,
-    DriverState,
-    capture_cut,
-    restore_checkpoint,
-    resume_controller,
-    save_checkpoint,
-)
+from sluice.controller.loop import Admission, Controller, StepCallback
+from sluice.controller.multi import MultiRayPipeline, PullAdmission
+from sluice.controller.push import PushAdmission
+from sluice.controller.resume import DriverState, restore_checkpoint, save_checkpoint
 from sluice.controller.run_state import TrainingRun
 from sluice.dag.loader import write_prompt_file
 from sluice.data import PromptStream
@@ -66,17 +60,25 @@ ENGINE_SYNC_STATS = (
 )
 
 
-def place_pipeline(run: TrainingRun, spec: PipelineSpec) -> LocalPipeline | RayPipeline:
-    """The run's workers on ``run.backend``: one process (``local``) or an actor each (``ray``);
-    ``run.controller: multi`` gives each rollout worker a shard of the prompts, written once to
-    the run's ``prompts.jsonl`` (``controller/multi.py``)."""
+def place_pipeline(run: TrainingRun, spec: PipelineSpec) -> tuple[LocalPipeline | RayPipeline, Admission]:
+    """The run's workers on ``run.backend`` (one process, ``local``, or an actor each, ``ray``)
+    and how its groups are admitted: the driver's waves (``push.py``), or, with
+    ``run.controller: multi``, credits the rollout workers pull, each over its shard of the
+    prompts, written once to the run's ``prompts.jsonl`` (``multi.py``)."""
     config, prompts = run.config, run.prompts
+    gate, barrier = StalenessGate.of(config.rollout), config.run.mode == "sync"
     if config.run.controller == "multi":
         if spec.agentic is not None:
             raise ConfigError("run.controller=multi: single-turn tasks only (this task runs an environment)")
         source = write_prompt_file(prompts.items, run.run_dir / "prompts.jsonl")
-        return MultiRayPipeline(spec, prompts, source, config.run.ray_address)
-    return place_single(config, spec, prompts)
+        multi = MultiRayPipeline(spec, prompts, source, config.run.ray_address)
+        return multi, PullAdmission(multi, gate, barrier=barrier)
+    pipeline = place_single(config, spec, prompts)
+    per_step = config.rollout.prompts_per_step
+    env_groups = (config.agentic.num_env_groups or per_step) - per_step
+    ledger = GroupLedger(gate, redundant_groups=config.rollout.redundant_groups + env_groups)
+    failures = FailureBudget(config.run.failure_budget, config.run.failure_window)
+    return pipeline, PushAdmission(pipeline, ledger, per_step, barrier=barrier, failures=failures)
 
 
 def place_single(config: SluiceConfig, spec: PipelineSpec, prompts: PromptStream) -> LocalPipeline | RayPipeline:
@@ -102,7 +104,7 @@ async def run_training(
     elif not run.eval_items:
         log.warning("no evaluation: the evaluation set is empty (data.val_files gives one)")
     _stop_if_asked(stop, run)
-    pipeline = place_pipeline(run, spec)
+    pipeline, admission = place_pipeline(run, spec)
     try:
         _stop_if_asked(stop, run)
         if resumed is None:
@@ -112,16 +114,7 @@ async def run_training(
         run.base_eval = base
         _stop_if_asked(stop, run)
         before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
-        gate = StalenessGate.of(cfg.rollout)
-        env_groups = (cfg.agentic.num_env_groups or cfg.rollout.prompts_per_step) - cfg.rollout.prompts_per_step
-        ledger = GroupLedger(gate, redundant_groups=cfg.rollout.redundant_groups + env_groups)
-        barrier = cfg.run.mode == "sync"
-        failures = FailureBudget(cfg.run.failure_budget, cfg.run.failure_window)
-        controller: Controller | MultiController
-        if isinstance(pipeline, MultiRayPipeline):  # the workers admit; the driver bumps versions
-            controller = MultiController(pipeline, gate, barrier=barrier)
-        else:
-            controller = Controller(pipeline, ledger, cfg.rollout.prompts_per_step, barrier=barrier, failures=failures)
+        controller = Controller(pipeline, admission)
         # a silent worker, or a loop that stops moving, ends the run (runtime/supervision.py)
         watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress)
 
@@ -136,19 +129,16 @@ async def run_training(
             checkpoint = None
             if run.checkpoint_due(version):
                 with watchdog.paused():
-                    checkpoint = await save_checkpoint(run, await _cut(controller), pipeline, version)
+                    checkpoint = await save_checkpoint(run, await admission.cut(), pipeline, version)
             if stop.signal is not None:  # preemption: a checkpoint whatever the period, then stop
                 with watchdog.paused():
-                    checkpoint = checkpoint or await save_checkpoint(run, await _cut(controller), pipeline, version)
+                    checkpoint = checkpoint or await save_checkpoint(run, await admission.cut(), pipeline, version)
                 preempted.append(RunPreempted(stop.signal, version, checkpoint))
                 return False
             return keep_going
 
         if resumed is not None:  # restart the groups that were generating at the checkpoint
-            if isinstance(controller, MultiController):
-                await controller.resume(resumed.cut, resumed.version)
-            else:
-                resume_controller(controller, resumed)
+            await admission.resume(resumed.cut, resumed.version)
         cpu, started = CpuMeter(), time.monotonic()  # the /proc scan outside the timed loop
         await _supervised_loop(run, controller, pipeline, watchdog, after_step)
         run.loop_seconds = time.monotonic() - started
@@ -163,20 +153,12 @@ async def run_training(
             write_chrome_trace(run.run_dir / "trace.json", [before if resumed is None else [], loop, after])
             run.metrics.log("trace", **trace_numbers(loop))
         run.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
-        if isinstance(pipeline, RayPipeline):  # sample data that passed through the driver
-            run.metrics.log("driver", sample_bytes=float(pipeline.driver_sample_bytes))
-        if isinstance(pipeline, MultiRayPipeline):  # where each worker's prompt shard stands
-            cursors = {f"shard{c['rank']}_{k}": float(c[k]) for c in pipeline.cursors for k in ("epoch", "position")}
-            run.metrics.log("shards", **cursors, **{f"node_rows_{k}": float(v) for k, v in pipeline.node_rows.items()})
+        for kind, record in pipeline.end_records().items():  # sample bytes through the driver, shards
+            run.metrics.log(kind, **record)
         await pipeline.save(str(run.final_model_dir))
         return base, final
     finally:
         pipeline.close()
-
-
-async def _cut(controller: Controller | MultiController) -> AsyncCut:
-    """The books at this step boundary: the driver's own, or a multi-controller run's gate and shards."""
-    return await controller.cut() if isinstance(controller, MultiController) else capture_cut(controller)
 
 
 def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:
@@ -188,7 +170,7 @@ def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:
 
 async def _supervised_loop(
     run: TrainingRun,
-    controller: Controller | MultiController,
+    controller: Controller,
     pipeline: LocalPipeline | RayPipeline,
     watchdog: Watchdog,
     after_step: StepCallback,
@@ -219,7 +201,7 @@ async def _evaluate(
 
 async def _log_run_end(
     run: TrainingRun,
-    controller: Controller | MultiController,
+    controller: Controller,
     pipeline: LocalPipeline | RayPipeline,
     spec: PipelineSpec,
 ) -> None:
@@ -240,9 +222,7 @@ async def _log_run_end(
         run.metrics.log("episodes", **{k: v for k, v in engine.items() if k.startswith("env_")})
 
 
-def step_stats(
-    controller: Controller | MultiController, chosen: list[int], version: int, metrics: dict[str, float]
-) -> dict[str, float]:
+def step_stats(controller: Controller, chosen: list[int], version: int, metrics: dict[str, float]) -> dict[str, float]:
     """Rollout statistics of the groups a step trained, from their reports (no sample data).
 
     ``trained_before_generated`` is 1 when the trainer's first micro-batch of the step started

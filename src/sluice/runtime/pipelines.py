@@ -108,6 +108,10 @@ class _Pipeline:
         """Workers in other processes to supervise (none when every worker runs in this one)."""
         return []
 
+    def end_records(self) -> dict[str, dict[str, float]]:
+        """Records for ``metrics.jsonl`` at the run's end, by kind (none in one process)."""
+        return {}
+
     def explain(self, err: BaseException) -> RunStopped | None:
         """The one line for a worker's death in ``err`` (``None``: not one; in-process workers do
         not die on their own)."""

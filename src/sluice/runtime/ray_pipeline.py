@@ -322,6 +322,10 @@ class RayPipeline(_Pipeline):
         nodes = placement(self.spec).node_workers
         return [(f"'{node.id}' task worker", actor) for node, actor in zip(nodes, self.node_actors, strict=True)]
 
+    def end_records(self) -> dict[str, dict[str, float]]:
+        """The sample bytes that passed through the driver (``driver``)."""
+        return {"driver": {"sample_bytes": float(self.driver_sample_bytes)}}
+
     def explain(self, err: BaseException) -> RunStopped | None:
         """The one line for an actor's death found in ``err``'s causes (``None``: not one)."""
         return explain_death(err, self._actor_names)

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from sluice.api import GroupReport, PromptItem
 from sluice.controller.loop import Controller
+from sluice.controller.push import PushAdmission
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
 from sluice.sim.clock import run_virtual
@@ -250,7 +251,7 @@ def simulate(config: SimConfig, on_step: StepHook | None = None) -> SimResult:
     )
     pipeline.rollout_recorder = rollout
     ledger = GroupLedger(StalenessGate(config.prompts_per_step, config.staleness))
-    controller = Controller(pipeline, ledger, config.prompts_per_step)
+    controller = Controller(pipeline, PushAdmission(pipeline, ledger, config.prompts_per_step))
     ends: list[float] = []
 
     async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
