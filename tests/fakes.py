@@ -205,6 +205,11 @@ def length_reward(response: str, **_: Any) -> float:
     return min(len(response) / 8.0, 1.0)
 
 
+def matches_reward(response: str, answer: str = "", **_: Any) -> bool:
+    """A reward as people write it: ``pred == gt``, a ``bool``."""
+    return response == answer
+
+
 class FakePipeline:
     """An ``Pipeline`` whose rollouts sleep for a scripted latency (seconds) per group.
 

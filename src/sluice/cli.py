@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, stray = parser.parse_known_args(argv)
-    if stray and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in stray):
-        args.overrides = [*args.overrides, *stray]  # key=value after an option: `eval M --data F k=v`
+    takes = next((name for name in ("overrides", "args") if hasattr(args, name)), None)
+    if stray and takes and all("=" in a and not a.startswith("-") for a in stray):
+        setattr(args, takes, [*getattr(args, takes), *stray])  # key=value after an option: `train C --dry-run k=v`
     elif stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -50,14 +51,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    train = sub.add_parser("train", help="run training")
+    train = sub.add_parser(
+        "train", help="run training", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  sluice train my_run.yaml run.steps=100 rollout.group_size=8 --dry-run\n\n"
+        "every key: sluice config-docs (docs/config.md); resume=auto continues the run's last checkpoint",
+    )  # fmt: skip
     train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
-    ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
+    ev = sub.add_parser(
+        "eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  sluice eval runs/my_run/final_model --data val.parquet eval.samples=4 "
+        "reward.fn=my_rewards.py:fn\n\nevery key: sluice config-docs (docs/config.md)",
+    )  # fmt: skip
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.samples=4 reward.name=...")
-    ev.add_argument("--data", metavar="FILE", help="validation rows (JSONL; default: the task's held-out set)")
+    ev.add_argument(
+        "--data", metavar="FILE",
+        help="validation rows (JSONL, JSON, parquet or a datasets folder; default: the task's held-out set)",
+    )  # fmt: skip
     ev.set_defaults(func=_eval)
     bench = sub.add_parser("bench", help="end-to-end benchmarks (bench e2e: sync vs streaming vs async)")
     bench.add_argument("kind", choices=["e2e"])
@@ -122,7 +135,7 @@ def _train(args: argparse.Namespace) -> int:
     trainer.load_prompt_data()
     console.print(f"model {trainer.model_dir}  run dir {trainer.run_dir}")
     try:
-        with TrainProgress(cfg.run.steps, "train", cfg.run.progress, console) as bar:
+        with TrainProgress(trainer.config.run.steps, "train", cfg.run.progress, console) as bar:  # epochs: derived
             result = trainer.fit(progress=bar)
     except RunPreempted as stopped:  # SIGTERM / SIGINT: stopped at a checkpoint, every process gone
         print(stopped, file=sys.stderr, flush=True)

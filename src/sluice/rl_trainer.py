@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from sluice.api import PromptItem, RewardFn, SamplingParams
-from sluice.config import ConfigError, SluiceConfig, dump_config
+from sluice.config import ConfigError, SluiceConfig, dump_config, steps_of_epochs
 from sluice.controller.resume import open_checkpoints
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
@@ -152,6 +152,10 @@ class RLTrainer:
         leaked = [it.index for it in train.items if it.prompt in held_out]
         if leaked:
             raise DatasetError(f"row {leaked[0] + 1}: prompt is in the held-out set ({len(leaked)} such rows)")
+        epochs = self.config.run.epochs
+        if epochs is not None:  # run.steps from the prompts read
+            self.config = steps_of_epochs(self.config, len(train.items))
+            log.info("run.epochs %g over %d prompts: run.steps %d", epochs, len(train.items), self.config.run.steps)
         self.eval_items = val.items
         self.filtered = {"train": train.filtered, "val": val.filtered}
         self.prompts = PromptStream(train.items, self.config.run.seed)

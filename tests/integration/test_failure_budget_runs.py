@@ -16,7 +16,7 @@ from tiny import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
 
-ERRORS = {"raise": "ValueError: scripted reward failure", "nan": "returned nan, not a finite number"}
+ERRORS = {"raise": "ValueError: scripted reward failure", "nan": "returned nan, not a finite number or a bool"}
 
 
 def _overrides(model, tmp_path, name, mode, backend):

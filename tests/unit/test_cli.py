@@ -23,6 +23,14 @@ def test_dry_run_prints_resolved_config(capsys):
     assert "name: zz" in out
 
 
+def test_overrides_after_an_option_count_for_train_too(tmp_path, capsys):
+    config = tmp_path / "my_run.yaml"
+    config.write_text("run:\n  name: mine\n")
+    assert main(["train", str(config), "--dry-run", "run.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 3" in out and "name: mine" in out
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -91,3 +99,11 @@ def test_malformed_dataset_row_and_model_folder(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "rows.jsonl line 2: the prompt at 'prompt' is empty" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_each_command_help_has_an_example_and_the_reference(capsys):
+    for command in ("train", "eval"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert f"example:\n  sluice {command} " in out and "sluice config-docs" in out

@@ -154,3 +154,67 @@ def test_a_moved_option_is_refused_naming_its_replacement(tmp_path, section, nam
     dotted = new.split(".")
     cfg = load_config(None, [f"{new}={value}", "trainer.strategy=ddp"])  # ddp: two ranks need a group
     assert getattr(getattr(cfg.resources, dotted[1]), dotted[2]) == value
+
+
+def test_dtype_fields_take_the_short_names():
+    cfg = load_config(None, ["trainer.dtype=bf16", "rollout.dtype=fp32", "vllm.dtype=fp16"])
+    assert (cfg.trainer.dtype, cfg.rollout.dtype, cfg.vllm.dtype) == ("bfloat16", "float32", "float16")
+    with pytest.raises(ConfigError, match=r"trainer\.dtype"):  # an alias only for a name the field takes
+        load_config(None, ["trainer.dtype=fp16"])
+    with pytest.raises(ConfigError, match=r"run\.mode"):  # and only on dtype fields
+        load_config(None, ["run.mode=bf16"])
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.n is sluice's rollout.group_size"),
+        ("data.train_batch_size=16", "data.train_batch_size is sluice's rollout.prompts_per_step"),
+        ("trainer.total_epochs=3", "trainer.total_epochs is sluice's run.epochs"),
+        ("custom_reward_function.path=r.py", "reward.fn: path/to/file.py:function"),
+        ("trainer.logger=[wandb]", "trainer.logger is sluice's tracking.trackers"),
+        ("num_generations=8", "num_generations is sluice's rollout.group_size"),
+        ("rollout.n=8", "rollout.n is sluice's rollout.group_size"),
+        ("rollout.group_sise=8", "rollout.group_sise: unknown key (did you mean group_size?)"),
+    ],
+)
+def test_an_unknown_key_names_the_sluice_key(override, says):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert says in str(err.value)
+
+
+def _resolves(dotted: str) -> bool:
+    model = SluiceConfig
+    for part in dotted.split("."):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        model = field.annotation
+    return True
+
+
+def test_the_peer_names_table_points_at_real_keys_and_covers_the_readme():
+    from sluice.config.peer_names import PEER_NAMES
+
+    for peer, ours in PEER_NAMES.items():
+        assert _resolves(ours.split()[0].rstrip(":")), f"{peer} -> {ours}"
+    table = REPO.joinpath("README.md").read_text().split("**Coming from verl or TRL.**")[1].split("\n\n")[1]
+    import re
+
+    for row in table.splitlines()[2:]:
+        verl = row.split("|")[1]
+        for key in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)", verl):
+            assert _resolves(key) or key in PEER_NAMES, f"README's verl key {key} is neither sluice's nor in PEER_NAMES"
+
+
+def test_run_epochs_excludes_run_steps_and_its_warmup_must_fit_the_derived_steps():
+    from sluice.config import steps_of_epochs
+
+    with pytest.raises(ConfigError, match=r"run\.epochs \(2\) and run\.steps \(5\) exclude each other"):
+        load_config(None, ["run.epochs=2", "run.steps=5"])
+    cfg = steps_of_epochs(load_config(None, ["run.epochs=1.5", "rollout.prompts_per_step=8"]), 20)
+    assert (cfg.run.steps, cfg.run.epochs) == (4, None)  # ceil(1.5 × 20 / 8)
+    warm = load_config(None, ["run.epochs=1", "rollout.prompts_per_step=8", "trainer.lr_warmup_steps=5"])
+    with pytest.raises(ConfigError, match=r"trainer\.lr_warmup_steps \(5\) exceeds run\.steps \(2\)"):
+        steps_of_epochs(warm, 16)

@@ -9,7 +9,16 @@ import pytest
 from transformers import LlamaConfig
 
 from sluice.config import ConfigError, DataConfig, load_config
-from sluice.data import DatasetError, PromptBuilder, PromptStream, check_user_data, in_memory, prompt_limit, read_rows
+from sluice.data import (
+    DatasetError,
+    PromptBuilder,
+    PromptLimit,
+    PromptStream,
+    check_user_data,
+    in_memory,
+    prompt_limit,
+    read_rows,
+)
 from sluice.rewards import exact_match_reward
 from sluice.tasks.tiny_model import build_char_tokenizer
 from tiny import TINY_CHAT_TEMPLATE
@@ -28,7 +37,8 @@ def chat_tokenizer():
 
 
 def _build(rows, tokenizer, limit=None, keep_columns=False, **data):
-    return PromptBuilder(DataConfig(**data), tokenizer, limit).build(in_memory(rows), keep_columns=keep_columns)
+    bound = PromptLimit(limit) if limit is not None else None
+    return PromptBuilder(DataConfig(**data), tokenizer, bound).build(in_memory(rows), keep_columns=keep_columns)
 
 
 def test_builtin_rows_keep_their_columns_and_the_raw_prompt_ids(tokenizer):
@@ -128,17 +138,18 @@ def test_long_prompts_are_filtered_and_counted_or_stop_the_run(tokenizer, caplog
     assert [it.prompt for it in kept.items] == ["12>", "1>"]
     assert [it.index for it in kept.items] == [0, 2]
     assert kept.filtered == Counter(too_long=1)
-    assert "1 of 3 prompts longer than 4 tokens filtered" in caplog.text
-    with pytest.raises(DatasetError, match=r"row 2: the prompt is 8 tokens, over data.max_prompt_length \(4\)"):
+    assert "1 of 3 prompts longer than the prompt limit (4 tokens, data.max_prompt_length) filtered" in caplog.text
+    with pytest.raises(DatasetError, match=r"row 2: the prompt is 8 tokens, over the prompt limit \(4 tokens, data"):
         _build(rows, tokenizer, limit=4, long_prompts="error")
-    with pytest.raises(DatasetError, match=r"every prompt is longer than data.max_prompt_length"):
+    with pytest.raises(DatasetError, match=r"every prompt is longer than the prompt limit \(4 tokens"):
         _build(rows[1:2], tokenizer, limit=4)
 
 
 def test_prompt_limit_fits_the_model_context(tmp_path):
     LlamaConfig(max_position_embeddings=64).save_pretrained(tmp_path)
-    assert prompt_limit(DataConfig(), tmp_path, 24) == 40
-    assert prompt_limit(DataConfig(max_prompt_length=30), tmp_path, 24) == 30
+    derived = "the model's max_position_embeddings (64) - rollout.max_new_tokens (24)"
+    assert prompt_limit(DataConfig(), tmp_path, 24) == PromptLimit(40, derived)  # said where the 40 came from
+    assert prompt_limit(DataConfig(max_prompt_length=30), tmp_path, 24) == PromptLimit(30, "data.max_prompt_length")
     with pytest.raises(
         ConfigError,
         match=r"data.max_prompt_length \(50\) \+ rollout.max_new_tokens \(24\) must fit the model's "
@@ -177,3 +188,26 @@ def test_a_bare_yaml_on_or_off_is_the_chat_template_word(tmp_path):
     path.write_text("data:\n  chat_template: on\n")  # YAML 1.1: a boolean
     assert load_config(path, []).data.chat_template == "on"
     assert load_config(None, ["data.chat_template=off"]).data.chat_template == "off"
+
+
+@pytest.mark.parametrize(
+    ("row", "data", "needle"),
+    [
+        (
+            {"question": "1>", "answer": "1"},
+            {},
+            "no prompt at 'prompt' (row keys: question, answer); set data.prompt_key=question",
+        ),
+        ({"prompt": "1>", "solution": "1"}, {}, "(row keys: prompt, solution); set data.answer_key=solution"),
+        ({"promt": "1>", "answer": "1"}, {}, "set data.prompt_key=promt"),
+        (
+            {"prompt": "1>", "answer": "1", "tests": "x"},
+            {"fields": {"tests": "extra.tests"}},
+            "set data.fields.tests=tests",
+        ),
+    ],
+)
+def test_a_missing_column_names_the_mapping_key_to_set(tokenizer, row, data, needle):
+    with pytest.raises(DatasetError) as err:
+        _build([row], tokenizer, **data)
+    assert needle in str(err.value)

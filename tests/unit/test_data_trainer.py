@@ -32,7 +32,9 @@ def test_a_prompt_over_the_model_context_is_filtered_or_named(tiny_task_model, r
     assert trainer.filtered["train"]["too_long"] == 1
     assert trainer.prompts.items[0].fields["answer"] == "21"
     assert trainer.eval_items == []  # user data without data.val_files: no evaluation set
-    with pytest.raises(DatasetError, match=r"rows.jsonl line 2: the prompt is 42 tokens, over data.max_prompt"):
+    limit = r"over the prompt limit \(34 tokens, the model's max_position_embeddings \(64\) - "
+    limit += r"rollout.max_new_tokens \(30\)\)"  # where the 34 came from
+    with pytest.raises(DatasetError, match=r"rows.jsonl line 2: the prompt is 42 tokens, " + limit):
         _trainer(tiny_task_model, rows_path, "rollout.max_new_tokens=30", "data.long_prompts=error")
 
 
@@ -61,3 +63,13 @@ def test_the_builtin_held_out_set_still_refuses_leaked_prompts(tiny_task_model):
         trainer.load_prompt_data([{"prompt": "12>", "answer": "21"}, leaked])
     trainer.load_prompt_data([{"prompt": "12>", "answer": "21"}])
     assert len(trainer.eval_items) == 4 and {it.fields["data_source"] for it in trainer.eval_items} == {"default"}
+
+
+def test_run_epochs_becomes_run_steps_over_the_prompts_read(tiny_task_model, tmp_path):
+    """``run.epochs`` instead of ``run.steps``: 10 prompts, 4 per step, 1.5 passes → ceil(3.75) = 4."""
+    path = tmp_path / "ten.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}>", "answer": str(i)}) + "\n" for i in range(10)))
+    trainer = _trainer(
+        tiny_task_model, path, "run.epochs=1.5", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8"
+    )
+    assert (trainer.config.run.steps, trainer.config.run.epochs) == (4, None)

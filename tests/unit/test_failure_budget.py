@@ -98,7 +98,10 @@ def test_the_single_turn_report_names_the_failed_reward_and_its_error():
     queue = LocalQueue()
     queue.register_task("train", SAMPLE_COLUMNS)
     workflow = SingleTurnWorkflow(SimTokenizer(), SamplingParams(max_new_tokens=4), group_size=2)
-    for mode, error in [("raise", "ValueError: scripted reward failure"), ("nan", "returned nan, not a finite number")]:
+    for mode, error in [
+        ("raise", "ValueError: scripted reward failure"),
+        ("nan", "returned nan, not a finite number or a bool"),
+    ]:
         service = RewardService(FaultyReward(mode), pool_size=0, name="faulty")
         runner = GroupRunner(FakeInferenceEngine(vocab=50), workflow, AsyncLocalQueue(queue), service)
         long, short = PromptItem(0, "p", (1, 2), {"bucket": "long"}), PromptItem(1, "q", (1, 2), {"bucket": "short"})

@@ -34,9 +34,9 @@ def _lrs(engine: HFTrainEngine, updates: int) -> list[float]:
 @pytest.mark.parametrize(
     ("name", "want"),
     [
-        ("constant", [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]),
-        ("linear", [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]),
-        ("cosine", [0.0, 0.5, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]),
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),  # the warmup starts above 0, full at its last update
+        ("linear", [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),
+        ("cosine", [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]),
     ],
 )
 def test_each_schedule_warms_up_then_follows_its_shape(name, want):

@@ -119,3 +119,31 @@ def test_without_bubblewrap_a_run_stops_at_start(tmp_path, monkeypatch):
 def test_bad_sandbox_options_are_config_errors(key, value, message):
     with pytest.raises(ConfigError, match=message):
         validate_config({"reward": {"name": "code_exec", key: value}})
+
+
+def test_a_reward_by_file_path_relative_to_the_config_runs_in_the_pool(tmp_path, monkeypatch):
+    """verl's habit: ``reward.fn: my_rewards.py:fn`` beside the config, from another directory;
+    the pool's processes import the file too, and a ``bool`` result scores 1 / 0."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "my_rewards.py").write_text("def fn(response, answer='', **_):\n    return response == answer\n")
+    (folder / "run.yaml").write_text("reward:\n  fn: my_rewards.py:fn\n  pool_size: 1\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(folder / "run.yaml")
+    assert cfg.reward.fn == f"{(folder / 'my_rewards.py').resolve()}:fn"
+    service = build_reward_service(cfg.reward, None)
+    try:
+        assert asyncio.run(service("7", answer="7")) == 1.0
+        assert asyncio.run(service("8", answer="7")) == 0.0
+    finally:
+        service.close()
+
+
+def test_an_unimportable_reward_says_where_it_looked_and_how_to_fix_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        build_reward_service(load_config(None, ["reward.fn=my_rewards:fn"]).reward, None)
+    assert f"looked on the Python path from {tmp_path}" in str(err.value)
+    assert "reward.fn=path/to/my_rewards.py:fn" in str(err.value)
+    with pytest.raises(ConfigError, match=r"reward file '.*missing\.py' not found \(looked at"):
+        build_reward_service(load_config(None, ["reward.fn=missing.py:fn"]).reward, None)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from fakes import FakeInferenceEngine, FaultyReward, async_length_reward, length_reward
+from fakes import FakeInferenceEngine, FaultyReward, async_length_reward, length_reward, matches_reward
 from sluice.api import PromptItem, RewardFailure, SamplingParams
 from sluice.config import RewardConfig
 from sluice.rewards import REWARDS, RewardService, build_reward_service, exact_match_reward, math_verify_reward
@@ -43,6 +43,34 @@ def test_async_rewards_run_in_the_pool_and_in_threads():
             assert _score_all(service, CASES) == [length_reward(t, **f) for t, f in CASES]
         finally:
             service.close()
+
+
+def test_closures_and_lambdas_reach_the_pool_by_value():
+    """TRL users' habit: a reward closing over a local variable, or a lambda, defined in their
+    script; plain pickle refuses both, the pool gets them by value."""
+    target = "42"
+
+    def matches_target(response, **_):
+        return response == target
+
+    for fn, want in ((matches_target, [1.0, 0.0]), (lambda response, **_: float(len(response)), [2.0, 1.0])):
+        service = RewardService(fn, pool_size=1)
+        try:
+            assert _score_all(service, [("42", {}), ("4", {})]) == want
+        finally:
+            service.close()
+        assert not service.failures
+
+
+@pytest.mark.parametrize("pool_size", [1, 0])
+def test_a_bool_reward_scores_one_or_zero(pool_size):
+    """``return pred == gt`` is a reward: True is 1.0 and False 0.0, not an invalid value."""
+    service = RewardService(matches_reward, pool_size=pool_size)
+    try:
+        assert _score_all(service, [("42", {"answer": "42"}), ("41", {"answer": "42"})]) == [1.0, 0.0]
+    finally:
+        service.close()
+    assert not service.failures
 
 
 @pytest.mark.parametrize("pool_size", [1, 0])

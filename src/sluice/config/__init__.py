@@ -1,7 +1,7 @@
 """Run configuration: pydantic models (``models.py``) and YAML + override loading (``loading.py``)."""
 
 from sluice.config.data import DataConfig, EvalConfig, ModelConfig, TaskConfig
-from sluice.config.loading import ConfigError, dump_config, load_config, validate_config
+from sluice.config.loading import ConfigError, dump_config, load_config, steps_of_epochs, validate_config
 from sluice.config.models import RewardConfig, RolloutConfig, RunConfig, SluiceConfig, TrainerConfig
 from sluice.config.tracking import TrackingConfig
 
@@ -19,5 +19,6 @@ __all__ = [
     "TrainerConfig",
     "dump_config",
     "load_config",
+    "steps_of_epochs",
     "validate_config",
 ]

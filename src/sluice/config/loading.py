@@ -6,6 +6,7 @@ can print it without a traceback. This module does not know what the fields mean
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from sluice.config.models import SluiceConfig
+from sluice.config.peer_names import suggest
 
 
 class ConfigError(ValueError):
@@ -24,10 +26,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_yaml(Path(path))
+        _anchor_reward_files(data, Path(path).parent)
     for item in overrides or []:
         key, value = _parse_override(item)
         refuse_moved(key)
         _set_dotted(data, key, value)
+    _anchor_reward_files(data, Path.cwd())  # an override's file: Ray workers run in other directories
     return validate_config(data)
 
 
@@ -64,6 +68,19 @@ def validate_config(data: dict[str, Any]) -> SluiceConfig:
         raise ConfigError(_describe(err)) from None
 
 
+def steps_of_epochs(cfg: SluiceConfig, prompts: int) -> SluiceConfig:
+    """``cfg`` with ``run.epochs`` turned into ``run.steps`` over ``prompts`` training prompts
+    (``ceil(epochs × prompts ÷ rollout.prompts_per_step)``, at least 1), validated again (the
+    warmup must fit the derived steps); ``cfg`` itself without ``run.epochs``."""
+    epochs = cfg.run.epochs
+    if epochs is None:
+        return cfg
+    steps = max(1, math.ceil(epochs * prompts / cfg.rollout.prompts_per_step))
+    data = cfg.model_dump()
+    data["run"] = {**data["run"], "steps": steps, "epochs": None}
+    return validate_config(data)
+
+
 def dump_config(cfg: SluiceConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
@@ -93,6 +110,25 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _anchor_reward_files(data: dict[str, Any], folder: Path) -> None:
+    """A reward given by a relative file path (``my_rewards.py:fn``) is made absolute against
+    ``folder``: the config file's for its own values, then the working directory for overrides."""
+    reward = data.get("reward")
+    if not isinstance(reward, dict):
+        return
+
+    def anchored(ref: Any) -> Any:
+        file, sep, attr = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
+        if not sep or not file.endswith(".py") or Path(file).is_absolute():
+            return ref
+        return f"{(folder / file).resolve()}:{attr}"
+
+    if "fn" in reward:
+        reward["fn"] = anchored(reward["fn"])
+    if isinstance(reward.get("by_source"), dict):
+        reward["by_source"] = {source: anchored(ref) for source, ref in reward["by_source"].items()}
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
@@ -120,17 +156,21 @@ def _describe(err: ValidationError) -> str:
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{field}: unknown key{_allowed_keys(e['loc'])}")
+            allowed = _allowed_keys(e["loc"])
+            hint = suggest(field, e.get("input"), allowed)
+            listed = f" (allowed: {', '.join(allowed)})" if allowed and not hint else ""
+            lines.append(f"{field}: unknown key{hint}{listed}")
         else:
             lines.append(f"{field}: {e['msg']} (got {e.get('input')!r})")
     return "invalid config: " + "; ".join(lines)
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> str:
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the section holding ``loc`` allows (none known: empty)."""
     model: Any = SluiceConfig
     for part in loc[:-1]:
         field = model.model_fields.get(part)
         if field is None or not isinstance(field.annotation, type):
-            return ""
+            return []
         model = field.annotation
-    return f" (allowed: {', '.join(model.model_fields)})"
+    return list(model.model_fields)

@@ -170,6 +170,17 @@ class RunConfig(_Section):
     steps: int = Field(default=60, ge=0)
     """Training steps (policy versions) to run."""
 
+    epochs: float | None = Field(default=None, gt=0.0)
+    """Passes over the training prompts, instead of ``steps``: once the prompts are read, ``steps``
+    becomes ``ceil(epochs × prompts ÷ rollout.prompts_per_step)`` (logged). Exclusive with an
+    explicit ``run.steps``."""
+
+    @model_validator(mode="after")
+    def _epochs_or_steps(self) -> RunConfig:
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError(f"run.epochs ({self.epochs:g}) and run.steps ({self.steps}) exclude each other")
+        return self
+
     max_minutes: float | None = Field(default=None, gt=0.0)
     """Stop after this many minutes of training even if ``steps`` is not reached."""
 
@@ -282,7 +293,7 @@ class SluiceConfig(_Section):
     @model_validator(mode="after")
     def _trainer_fits_the_run(self) -> SluiceConfig:
         t = self.trainer
-        if t.lr_warmup_steps > self.run.steps:
+        if self.run.epochs is None and t.lr_warmup_steps > self.run.steps:  # epochs: checked once derived
             raise ValueError(f"trainer.lr_warmup_steps ({t.lr_warmup_steps}) exceeds run.steps ({self.run.steps})")
         return self
 

@@ -3,7 +3,8 @@
 Numbers are strict too: a boolean is never a number (``rollout.group_size: true`` is refused,
 not read as 1) and a float is never an integer (``2.0`` or ``2.5`` for an integer field is
 refused, not truncated); an integer for a float field stays accepted. Everything else is
-pydantic's usual validation (YAML lists for tuple fields, strings for literals).
+pydantic's usual validation (YAML lists for tuple fields, strings for literals). A dtype field
+also takes the short names people type (``bf16``, ``fp16``, ``fp32``, ``half``, ``float``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,22 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+"""Short dtype names, as verl, TRL and torch users write them, for the names sluice's fields take."""
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _dtype_aliases(cls, value: Any, info: ValidationInfo) -> Any:
+        """``bf16`` for ``bfloat16`` (and the like) where the field's choices hold the long name."""
+        if not isinstance(value, str) or value not in DTYPE_ALIASES or info.field_name is None:
+            return value
+        annotation = cls.model_fields[info.field_name].annotation
+        choices = get_args(annotation) if get_origin(annotation) is Literal else ()
+        return DTYPE_ALIASES[value] if DTYPE_ALIASES[value] in choices else value
 
     @field_validator("*", mode="before")
     @classmethod

@@ -67,8 +67,9 @@ class SGLangConfig(_Section):
 BUILTIN_REWARDS = ("exact_match", "math_verify", "code_exec")
 """The names ``reward.name`` and ``reward.by_source`` accept (``sluice.rewards.REWARDS``)."""
 
-IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-"""``package.module:function`` (the attribute may be dotted: ``module:Class.method``)."""
+IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(\.[A-Za-z_]\w*)*|[^:]+\.py):[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+"""``package.module:function`` or ``path/to/file.py:function`` (the attribute may be dotted:
+``module:Class.method``)."""
 
 
 def _reward_ref(field: str, value: str) -> str:
@@ -77,7 +78,7 @@ def _reward_ref(field: str, value: str) -> str:
         return value
     raise ValueError(
         f"{field}: {value!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
-        "nor an import path package.module:function"
+        "nor an import path package.module:function or path/to/file.py:function"
     )
 
 
@@ -90,10 +91,12 @@ class RewardConfig(_Section):
     the ``sandbox_*`` and ``code_exec_scoring`` options). See docs/rewards.md."""
 
     fn: str | None = None
-    """Your own reward by import path, ``package.module:function`` (importable where the run
-    starts; checked there). Called as ``fn(response, **fields)`` (the row's fields: ``answer``,
-    ``data_source``, ``data.fields``), or verl-style ``fn(data_source, solution_str, ground_truth,
-    extra_info)`` when it has a parameter named ``solution_str``. Exclusive with ``name``."""
+    """Your own reward by import path, ``package.module:function`` (importable where the run starts;
+    checked there), or by file, ``path/to/file.py:function`` (relative to the config file that
+    names it, or to the working directory on the command line). Called as ``fn(response,
+    **fields)`` (the row's fields: ``answer``, ``data_source``, ``data.fields``), or
+    verl-style ``fn(data_source, solution_str, ground_truth, extra_info)`` when it has a
+    parameter named ``solution_str``. Exclusive with ``name``."""
 
     by_source: dict[str, str] = Field(default_factory=dict)
     """Reward per data source, ``{data_source: reward}`` (a built-in name or an import path), like
@@ -189,7 +192,10 @@ class RewardConfig(_Section):
     @classmethod
     def _fn_is_a_path(cls, value: str | None) -> str | None:
         if value is not None and not IMPORT_PATH.fullmatch(value):
-            raise ValueError(f"reward.fn: {value!r} is not an import path package.module:function")
+            raise ValueError(
+                f"reward.fn: {value!r} is not an import path package.module:function "
+                "nor a file path/to/file.py:function"
+            )
         return value
 
     @field_validator("by_source")

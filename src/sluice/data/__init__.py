@@ -6,13 +6,14 @@ the length rules; the run's data checks), ``stream`` (the seeded epoch order). I
 ``api`` and ``config``; tasks generate rows and hand them here.
 """
 
-from sluice.data.prompts import PromptBuilder, PromptSet, check_user_data, prompt_limit
+from sluice.data.prompts import PromptBuilder, PromptLimit, PromptSet, check_user_data, prompt_limit
 from sluice.data.readers import DatasetError, RowSet, in_memory, read_jsonl, read_rows
 from sluice.data.stream import PromptStream
 
 __all__ = [
     "DatasetError",
     "PromptBuilder",
+    "PromptLimit",
     "PromptSet",
     "PromptStream",
     "RowSet",

@@ -10,6 +10,7 @@ the row and the path. Rendering and tokenising the prompt are ``data/chat.py``'s
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from sluice.config.data import DataConfig
@@ -35,11 +36,28 @@ def lookup(row: dict[str, Any], path: str) -> Any:
     return node
 
 
-def require(row: dict[str, Any], path: str, where: str, what: str) -> Any:
+LIKELY_COLUMNS = {
+    "data.prompt_key": ("prompt", "question", "problem", "query", "instruction", "input", "messages", "text"),
+    "data.answer_key": ("answer", "solution", "ground_truth", "target", "label", "output", "response"),
+}
+"""Column names rows commonly hold the prompt and the answer under, likeliest first."""
+
+
+def require(row: dict[str, Any], path: str, where: str, what: str, key: str) -> Any:
+    """The value at ``path``; a missing one names the config ``key`` to set and the likeliest column."""
     value = lookup(row, path)
     if value is _MISSING:
-        raise DatasetError(f"{where}: no {what} at {path!r} (row keys: {', '.join(map(str, row)) or 'none'})")
+        guess = _likely_column(row, path, key)
+        fix = f"; set {key}={guess}" if guess else f"; set {key} to one of them"
+        raise DatasetError(f"{where}: no {what} at {path!r} (row keys: {', '.join(map(str, row)) or 'none'}){fix}")
     return value
+
+
+def _likely_column(row: dict[str, Any], path: str, key: str) -> str | None:
+    """The row's column most likely meant: a common name for it, else the closest spelling."""
+    columns = [str(c) for c in row]
+    common = next((c for c in LIKELY_COLUMNS.get(key, ()) if c in columns and c != path), None)
+    return common or next(iter(difflib.get_close_matches(path, columns, n=1, cutoff=0.6)), None)
 
 
 def map_row(row: Any, data: DataConfig, where: str, keep_columns: bool = False) -> tuple[Any, dict[str, Any]]:
@@ -48,27 +66,28 @@ def map_row(row: Any, data: DataConfig, where: str, keep_columns: bool = False) 
     environment's arguments)."""
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a mapping with a {data.prompt_key!r} field, got {type(row).__name__}")
-    prompt = require(row, data.prompt_key, where, "prompt")
+    prompt = require(row, data.prompt_key, where, "prompt", "data.prompt_key")
     fields = {k: v for k, v in row.items() if k != data.prompt_key} if keep_columns else {}
     answer_path, answer = _answer(row, data, where)
     fields["answer"] = as_answer(answer, where, answer_path)
     source = lookup(row, data.data_source_key)
     fields["data_source"] = DEFAULT_SOURCE if source is _MISSING or source is None else str(source)
     for name, path in data.fields.items():
-        fields[name] = require(row, path, where, f"field {name!r}")
+        fields[name] = require(row, path, where, f"field {name!r}", f"data.fields.{name}")
     return prompt, fields
 
 
 def _answer(row: dict[str, Any], data: DataConfig, where: str) -> tuple[str, Any]:
     if data.answer_key is not None:
-        return data.answer_key, require(row, data.answer_key, where, "answer")
+        return data.answer_key, require(row, data.answer_key, where, "answer", "data.answer_key")
     for path in ANSWER_PATHS:
         value = lookup(row, path)
         if value is not _MISSING:
             return path, value
+    guess = _likely_column(row, "answer", "data.answer_key")
     raise DatasetError(
         f"{where}: no answer: neither {' nor '.join(map(repr, ANSWER_PATHS))} is in the row "
-        f"(row keys: {', '.join(map(str, row)) or 'none'}); set data.answer_key"
+        f"(row keys: {', '.join(map(str, row)) or 'none'}); set data.answer_key{'=' + guess if guess else ''}"
     )
 
 

@@ -43,11 +43,22 @@ class PromptSet:
         self.filtered.update(other.filtered)
 
 
+@dataclass(frozen=True)
+class PromptLimit:
+    """The longest prompt in tokens, and where that number came from (said in every message)."""
+
+    tokens: int
+    origin: str = "data.max_prompt_length"
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens, {self.origin}"
+
+
 class PromptBuilder:
     """Turns rows into a ``PromptSet`` by the ``data`` section's mapping, chat and length rules;
-    ``limit`` is the longest prompt in tokens (``None``: no limit)."""
+    ``limit`` is the longest prompt (``None``: no limit)."""
 
-    def __init__(self, data: DataConfig, tokenizer: Any, limit: int | None = None) -> None:
+    def __init__(self, data: DataConfig, tokenizer: Any, limit: PromptLimit | None = None) -> None:
         self.data = data
         self.tokenizer = tokenizer
         self.limit = limit
@@ -71,10 +82,10 @@ class PromptBuilder:
             ids = self.renderer.encode(text)
             if unk is not None and unk in ids:
                 raise DatasetError(f"{where}: the prompt has characters outside the tokenizer's vocabulary")
-            if self.limit is not None and len(ids) > self.limit:
+            if self.limit is not None and len(ids) > self.limit.tokens:
                 if self.data.long_prompts == "error":
                     raise DatasetError(
-                        f"{where}: the prompt is {len(ids)} tokens, over data.max_prompt_length ({self.limit}); "
+                        f"{where}: the prompt is {len(ids)} tokens, over the prompt limit ({self.limit}); "
                         "data.long_prompts: filter drops such rows"
                     )
                 out.filtered[TOO_LONG] += 1
@@ -83,13 +94,16 @@ class PromptBuilder:
         name = rows.source or f"the {rows.unit}s"
         if out.filtered[TOO_LONG]:
             log.warning(
-                "%s: %d of %d prompts longer than %d tokens filtered (data.long_prompts: filter)",
+                "%s: %d of %d prompts longer than the prompt limit (%s) filtered (data.long_prompts: filter)",
                 name, out.filtered[TOO_LONG], len(rows.rows), self.limit,
             )  # fmt: skip
         if not rows.rows:
             raise DatasetError(f"dataset is empty: no rows in {name}")
         if not out.items:
-            raise DatasetError(f"{name}: every prompt is longer than data.max_prompt_length ({self.limit} tokens)")
+            raise DatasetError(
+                f"{name}: every prompt is longer than the prompt limit ({self.limit}); raise data.max_prompt_length "
+                "or lower rollout.max_new_tokens, within the model's context"
+            )
         return out
 
 
@@ -102,12 +116,13 @@ def model_context(model_dir: str | Path) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def prompt_limit(data: DataConfig, model_dir: str | Path, max_new_tokens: int) -> int | None:
+def prompt_limit(data: DataConfig, model_dir: str | Path, max_new_tokens: int) -> PromptLimit | None:
     """The longest prompt allowed: ``data.max_prompt_length`` or the model's context minus the
     response cap. A limit that leaves no room for ``max_new_tokens`` is a ``ConfigError``."""
     context = model_context(model_dir)
+    given = PromptLimit(data.max_prompt_length) if data.max_prompt_length is not None else None
     if context is None:
-        return data.max_prompt_length
+        return given
     limit = data.max_prompt_length if data.max_prompt_length is not None else context - max_new_tokens
     if limit < 1 or limit + max_new_tokens > context:
         shown = "null" if data.max_prompt_length is None else data.max_prompt_length
@@ -115,7 +130,8 @@ def prompt_limit(data: DataConfig, model_dir: str | Path, max_new_tokens: int) -
             f"data.max_prompt_length ({shown}) + rollout.max_new_tokens ({max_new_tokens}) must fit the model's "
             f"max_position_embeddings ({context}, {Path(model_dir) / 'config.json'})"
         )
-    return limit
+    derived = f"the model's max_position_embeddings ({context}) - rollout.max_new_tokens ({max_new_tokens})"
+    return given or PromptLimit(limit, derived)
 
 
 def check_user_data(config: SluiceConfig, reward_given: bool, files: str = "data.train_files") -> None:

@@ -1,7 +1,10 @@
 """The learning-rate schedule of a train engine: warmup, then constant, linear or cosine decay.
 
 A frozen, picklable description (Ray workers receive it) that builds ``transformers``'
-scheduler for an optimizer; counted in optimizer updates. It does not step anything itself.
+scheduler for an optimizer; counted in optimizer updates. The warmup reaches the full rate at its
+last update and starts above 0 (update k of W runs at k / W, verl's and most trainers' habit:
+an update at rate 0 is a wasted step); the decay follows ``transformers``' shapes. It does not
+step anything itself.
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ class LrSchedule:
             raise ValueError(f"warmup ({self.warmup_updates}) must be within 0..{self.total_updates} updates")
 
     def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        return get_scheduler(
-            SCHEDULES[self.name],
-            optimizer,
-            num_warmup_steps=self.warmup_updates,
-            num_training_steps=self.total_updates,
+        shape = get_scheduler(
+            SCHEDULES[self.name], optimizer, num_warmup_steps=self.warmup_updates, num_training_steps=self.total_updates
         )
+        decay = shape.lr_lambdas[0]  # type: ignore[attr-defined]
+        warmup = self.warmup_updates
+
+        def factor(update: int) -> float:
+            return (update + 1) / warmup if update < warmup else float(decay(update))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,4 +1,6 @@
-"""Rewards given by import path (``reward.fn``, ``reward.by_source`` values): ``package.module:function``.
+"""Rewards given by import path (``reward.fn``, ``reward.by_source`` values): ``package.module:function``,
+or by file, ``path/to/file.py:function`` (verl's habit; a relative path is relative to the config
+file that names it, ``config/loading.py`` makes it absolute, or to the working directory).
 
 ``load_reward(path, field)`` imports the function where the run starts, so a typo is one
 ``ConfigError`` naming the config field, before any engine starts. ``ImportedReward(path)`` is
@@ -21,8 +23,12 @@ This module does not decide which reward a row gets (``composed.py``) nor time c
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +43,18 @@ DEFAULT_SOURCE = "default"
 def load_reward(path: str, field: str = "reward.fn") -> Callable[..., Any]:
     """The callable at ``path`` (``package.module:attr``, ``attr`` may be dotted); a missing module
     or attribute, or one that is not callable, raises ``ConfigError`` naming ``field``."""
-    module_name, sep, attr = path.partition(":")
+    module_name, sep, attr = path.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"{field}: {path!r} is not an import path package.module:function")
+        raise ConfigError(f"{field}: {path!r} is not package.module:function nor path/to/file.py:function")
+    target: Any = _module_of_file(module_name, field) if module_name.endswith(".py") else None
     try:
-        target: Any = importlib.import_module(module_name)
+        target = target or importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} of {path!r}: {err}") from None
+        raise ConfigError(
+            f"{field}: cannot import module {module_name!r} of {path!r} ({err}; looked on the Python path "
+            f"from {os.getcwd()}): name the file instead, {field}=path/to/{module_name.rpartition('.')[2]}.py:{attr}, "
+            "or add its folder to PYTHONPATH"
+        ) from None
     for part in attr.split("."):
         if not hasattr(target, part):
             raise ConfigError(f"{field}: {target.__name__!r} has no attribute {part!r} (from {path!r})")
@@ -51,6 +62,26 @@ def load_reward(path: str, field: str = "reward.fn") -> Callable[..., Any]:
     if not callable(target):
         raise ConfigError(f"{field}: {path!r} is a {type(target).__name__}, not a callable reward")
     return target
+
+
+def _module_of_file(file: str, field: str) -> Any:
+    """The module a ``.py`` file defines, imported once per process under a name of its own."""
+    resolved = os.path.abspath(file)
+    if not os.path.isfile(resolved):
+        raise ConfigError(f"{field}: reward file {file!r} not found (looked at {resolved})")
+    name = f"sluice_reward_{hashlib.sha1(resolved.encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    assert spec is not None and spec.loader is not None, resolved
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its functions pickle by reference in this process
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # the user's file: one line naming it, not its traceback
+        del sys.modules[name]
+        raise ConfigError(f"{field}: reward file {file!r} failed to import: {type(err).__name__}: {err}") from None
+    return module
 
 
 def is_verl_style(fn: Callable[..., Any]) -> bool:

@@ -5,14 +5,15 @@ like any reward. It runs ``fn`` in a ``RewardPool`` of processes (``pool_size >=
 ``pool_size = 0``, in a thread of this process (for rewards that cannot be pickled; a hung
 one then leaks its thread, but the call still times out).
 
-A call that raises, runs past ``timeout_s``, or returns something that is not a finite number
-raises ``RewardFailure`` whose ``reason`` (``reward_error:NAME``, ``reward_timeout:NAME``,
-``reward_invalid:NAME``) becomes the discard reason of the sample's group; every failure is
-also counted here per function. A pool worker that dies is replaced and its call retried once
-(``reward_worker_restarts``, ``reward_retries``); a second death is a ``reward_error``. With
-``latency_s`` each call first waits as a remote service would (no CPU; a benchmark's workload). The
-service does not decide what happens to the group (the rollout worker does:
-``rollout.filters.reward_failure``), nor when failures are too many (the controller's budget).
+A call that raises, runs past ``timeout_s``, or returns something that is not a finite number (a
+``bool`` counts as 1 / 0: ``return pred == gt``) raises ``RewardFailure`` whose ``reason``
+(``reward_error:NAME``, ``reward_timeout:NAME``, ``reward_invalid:NAME``) becomes the discard
+reason of the sample's group; every failure is also counted here per function. A pool worker that
+dies is replaced and its call retried once (``reward_worker_restarts``, ``reward_retries``); a
+second death is a ``reward_error``. With ``latency_s`` each call first waits as a remote service
+would (no CPU; a benchmark's workload). The service does not decide what happens to the group (the
+rollout worker does: ``rollout.filters.reward_failure``), nor when failures are too many (the
+controller's budget).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sluice.api import RewardFailure
+from sluice.rewards.by_value import shippable
 from sluice.rewards.pool import RewardCallError, RewardPool, StartMethod, call_reward
 
 log = logging.getLogger(__name__)
@@ -54,8 +56,8 @@ class RewardService:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
-        self.fn = fn
         self.__name__ = name or reward_name(fn)
+        self.fn = shippable(fn, self.__name__) if pool_size > 0 else fn  # a closure goes by value
         self.timeout_s = timeout_s
         self.pool = RewardPool(pool_size, start_method) if pool_size > 0 else None
         self.calls: Counter[str] = Counter()
@@ -74,8 +76,10 @@ class RewardService:
             value = await self._run(response, fields)
         finally:
             self.seconds += time.perf_counter() - started
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise self._failed("invalid", f"returned {value!r}, not a finite number")
+        if isinstance(value, bool) or type(value).__name__ == "bool_":  # ``pred == gt``: Python's or numpy's
+            return float(bool(value))
+        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise self._failed("invalid", f"returned {value!r}, not a finite number or a bool")
         return float(value)
 
     async def _run(self, response: str, fields: Mapping[str, Any]) -> Any:
