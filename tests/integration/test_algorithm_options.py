@@ -119,5 +119,5 @@ def test_the_lr_schedule_reaches_the_trainer_actor(tiny_task_model, tmp_path, re
     request.getfixturevalue("ray_cluster")
     schedule = ["trainer.lr=0.01", "trainer.lr_schedule=linear", "trainer.lr_warmup_steps=1"]
     records = _train_records(tiny_task_model, tmp_path, "lr", *schedule, "run.mode=async", "run.backend=ray")
-    assert [r["step"] for r in records] == [1, 2, 3]  # updates 0..5 of 6: lr 0, .5, 1, .75, .5, .25 (x 0.01)
-    assert [r["lr"] for r in records] == pytest.approx([0.0025, 0.00875, 0.00375])
+    assert [r["step"] for r in records] == [1, 2, 3]  # updates 1..6: lr .5, 1, 1, .75, .5, .25 (x 0.01)
+    assert [r["lr"] for r in records] == pytest.approx([0.0075, 0.00875, 0.00375])
