@@ -66,3 +66,7 @@ def test_a_checkpoint_continues_the_schedule_where_it_stopped(tmp_path):
 def test_a_warmup_longer_than_the_run_is_refused():
     with pytest.raises(ConfigError, match=r"trainer.lr_warmup_steps \(30\) exceeds run.steps \(20\)"):
         load_config(None, ["trainer.lr_warmup_steps=30", "run.steps=20"])
+
+
+def test_the_learning_rate_is_logged_without_a_schedule_too():
+    assert _lrs(_engine(TrainerConfig(lr=1e-2), steps=2), 2) == pytest.approx([1e-2, 1e-2])

@@ -364,6 +364,7 @@ def test_off_policy_metrics_against_the_reference_formulas():
     assert metrics["behav_weight_low_fraction"] == pytest.approx(sum(x < 0.5 for x in w) / n)
     assert metrics["behav_weight_high_fraction"] == pytest.approx(sum(x > 2 for x in w) / n)
     assert metrics["clip_outside_prox"] == pytest.approx(sum(not 0.8 <= r <= 1.2 for r in to_prox) / n)
+    assert metrics["clip_ratio"] == pytest.approx(stats["clipped_tokens"] / n)  # verl's pg_clipfrac
     assert metrics["clip_outside_behav"] == pytest.approx(sum(not 0.8 <= r <= 1.2 for r in to_behav) / n)
 
 

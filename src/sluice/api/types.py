@@ -172,6 +172,12 @@ class GroupReport:
     'NAME'`` (``None``: no failure; the run's failure budget counts these)."""
     error: str = ""
     """That failure's error text (the group's first failed reward call, or last failed episode)."""
+    response_lengths: tuple[int, ...] = ()
+    """Each sample's response tokens, in sample order (empty: not reported)."""
+    truncated: int = 0
+    """Samples cut at the response cap (``finish_reason == "length"``)."""
+    data_source: str = ""
+    """The prompt's ``data_source`` (empty: not reported)."""
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,10 @@ async def _log_run_end(
 
 
 def step_stats(controller: Controller, chosen: list[int], version: int, metrics: dict[str, float]) -> dict[str, float]:
-    """Rollout statistics of the groups a step trained, from their reports (no sample data).
+    """Rollout statistics of the groups a step trained, from their reports (no sample data):
+    the reward's mean / std / min / max (and its mean per ``data_source``, ``reward_mean/SOURCE``,
+    when the rows name more than one), response lengths (mean, max) and the share of responses
+    cut at the length cap (``response_clip_ratio``); ``docs/tracking.md`` maps them to verl's names.
 
     ``trained_before_generated`` is 1 when the trainer's first micro-batch of the step started
     before the step's last group finished generating: streaming overlap inside a step.
@@ -233,12 +236,26 @@ def step_stats(controller: Controller, chosen: list[int], version: int, metrics:
     first_trained = metrics.get("first_microbatch_at", 0.0)
     rewards = [r for rep in reports for r in rep.rewards]
     samples = max(len(rewards), 1)
+    mean = sum(rewards) / samples
+    lengths = [n for rep in reports for n in rep.response_lengths]
+    by_source: dict[str, list[float]] = {}
+    for rep in reports:
+        by_source.setdefault(rep.data_source, []).extend(rep.rewards)
     mixed = sum(1 for rep in reports if len(set(rep.rewards)) > 1)
     staleness = [version - 1 - rep.version for rep in reports]
     sample_staleness = [version - 1 - v for rep in reports for v in rep.sample_versions]
+    per_source = (
+        {f"reward_mean/{s}": sum(v) / len(v) for s, v in by_source.items() if s and v} if len(by_source) > 1 else {}
+    )
     return {
-        "reward_mean": sum(rewards) / samples,
+        "reward_mean": mean,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / samples) ** 0.5,
+        "reward_min": min(rewards, default=0.0),
+        "reward_max": max(rewards, default=0.0),
+        **per_source,
         "response_len_mean": sum(rep.response_tokens for rep in reports) / samples,
+        "response_len_max": float(max(lengths, default=0)),
+        "response_clip_ratio": sum(rep.truncated for rep in reports) / samples,
         "groups_with_signal": mixed / max(len(reports), 1),
         "trained_tokens": float(sum(rep.response_tokens for rep in reports)),
         "staleness_max": float(max(staleness, default=0)),

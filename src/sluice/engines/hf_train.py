@@ -259,8 +259,8 @@ class HFTrainEngine:
             logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
         else:
             self.optimizer.step()
+        totals["lr"] = float(self.optimizer.param_groups[0]["lr"])  # this update's rate, scheduled or not
         if self.scheduler is not None:  # a skipped update still moves along the schedule
-            totals["lr"] = float(self.scheduler.get_last_lr()[0])
             self.scheduler.step()
         totals["skipped_steps"] = float(skipped)
         totals["grad_norm"] = grad_norm

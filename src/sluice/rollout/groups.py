@@ -152,7 +152,7 @@ class GroupRunner:
     async def run_group(self, item: PromptItem, group_id: int) -> GroupReport:
         with self.tracer.span("generate", lane=f"group{group_id % 8}", group=group_id):
             samples = await self.workflow.run(item, group_id, self.engine, self.reward)
-        return await self._store(group_id, samples)
+        return await self._store(group_id, samples, item)
 
     def _batch(self, groups: Sequence[tuple[PromptItem, int]]) -> dict[int, Awaitable[GroupReport]]:
         """One awaitable per group that scores only after the whole wave has generated."""
@@ -168,11 +168,11 @@ class GroupRunner:
                 raise
             with self.tracer.span("reward", lane=f"group{gid % 8}", group=gid):
                 samples = await self.workflow.score(items[gid], gid, gens[gid].result(), self.reward)
-            return await self._store(gid, samples)
+            return await self._store(gid, samples, items[gid])
 
         return {gid: report(gid) for gid in gens}
 
-    async def _store(self, group_id: int, samples: list[Sample]) -> GroupReport:
+    async def _store(self, group_id: int, samples: list[Sample], item: PromptItem) -> GroupReport:
         reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)
         failed_by, error = reward_failure_cause(samples) or (None, "")
         partition = self._partitions.pop(group_id, None)
@@ -191,4 +191,7 @@ class GroupRunner:
             sample_versions=tuple(s.version for s in samples),
             failed_by=failed_by,
             error=error,
+            response_lengths=tuple(len(s.response_ids) for s in samples),
+            truncated=sum(s.meta.get("finish_reason") == "length" for s in samples),
+            data_source=str(item.fields.get("data_source", "")),
         )

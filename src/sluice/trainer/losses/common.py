@@ -122,7 +122,9 @@ def off_policy_metrics(stats: dict[str, float]) -> dict[str, float]:
     weight π_prox / π_behav, its effective sample size as a fraction of the tokens
     ``(Σw)² / (N Σw²)`` (1: no correction), the fractions of tokens in its tails, and the
     fractions of tokens whose ratio lies outside the clip range against the proximal policy
-    (``clip_outside_prox``) and against the behaviour policy (``clip_outside_behav``)."""
+    (``clip_outside_prox``) and against the behaviour policy (``clip_outside_behav``); verl's
+    ``pg_clipfrac`` as ``clip_ratio`` (tokens whose gradient the clip removed) and, with an entropy
+    term, the mean token entropy (``entropy``)."""
     tokens = stats.get("tokens", 0.0)
     if tokens <= 0 or "behav_weight_sq_sum" not in stats:
         return {}
@@ -136,6 +138,9 @@ def off_policy_metrics(stats: dict[str, float]) -> dict[str, float]:
     for policy in ("prox", "behav"):
         if f"outside_{policy}_tokens" in stats:
             out[f"clip_outside_{policy}"] = stats[f"outside_{policy}_tokens"] / tokens
+    for name, total_key in (("clip_ratio", "clipped_tokens"), ("entropy", "entropy_sum")):
+        if total_key in stats:
+            out[name] = stats[total_key] / tokens
     return out
 
 
