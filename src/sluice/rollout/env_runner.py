@@ -191,4 +191,6 @@ class EnvRunner:
             rewards=tuple(s.reward for s in samples),
             discard_reason=reason,
             finished_at=time.time(),
+            response_lengths=tuple(len(s.response_ids) for s in samples),
+            truncated=sum(s.meta.get("finish_reason") == "length" for s in samples),
         )
