@@ -1,21 +1,21 @@
 """The learning-rate schedule of a train engine: warmup, then constant, linear or cosine decay.
 
-A frozen, picklable description (Ray workers receive it) that builds ``transformers``'
-scheduler for an optimizer; counted in optimizer updates. The warmup reaches the full rate at its
-last update and starts above 0 (update k of W runs at k / W, verl's and most trainers' habit:
-an update at rate 0 is a wasted step); the decay follows ``transformers``' shapes. It does not
-step anything itself.
+A frozen, picklable description (Ray workers receive it) that builds the
+scheduler (torch's ``LambdaLR``) of an optimizer; counted in optimizer updates. The warmup
+reaches the full rate at its last update and starts above 0 (update k of W runs at k / W, verl's
+habit: an update at rate 0 is a wasted step); the decays are ``transformers``' linear and cosine
+shapes. It does not step anything itself.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-from transformers import get_scheduler
 
-SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-"""sluice's names → ``transformers.get_scheduler``'s (each warms up linearly first)."""
+SCHEDULES = ("constant", "linear", "cosine")
+"""The shapes after the warmup (each warms up linearly first)."""
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,17 @@ class LrSchedule:
             raise ValueError(f"warmup ({self.warmup_updates}) must be within 0..{self.total_updates} updates")
 
     def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        shape = get_scheduler(
-            SCHEDULES[self.name], optimizer, num_warmup_steps=self.warmup_updates, num_training_steps=self.total_updates
-        )
-        decay = shape.lr_lambdas[0]  # type: ignore[attr-defined]
-        warmup = self.warmup_updates
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
 
-        def factor(update: int) -> float:
-            return (update + 1) / warmup if update < warmup else float(decay(update))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    def factor(self, update: int) -> float:
+        """The rate of 0-based ``update`` as a fraction of ``trainer.lr``: ``(k + 1) / W`` while
+        warming up, then 1, or a linear or half-cosine decay to 0 at ``total_updates``."""
+        warmup, total = self.warmup_updates, self.total_updates
+        if update < warmup:
+            return (update + 1) / warmup
+        progress = (update - warmup) / max(1, total - warmup)
+        if self.name == "linear":
+            return max(0.0, 1.0 - progress)
+        if self.name == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        return 1.0
