@@ -39,9 +39,9 @@ from sluice.engines.lora import LoraSpec
 from sluice.tasks import TASKS
 from sluice.tasks.tiny_model import build_char_tokenizer, build_tiny_llama
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.ppo import ppo_critic_step
+from sluice.trainer.rl_step import train_global_batch
 from sluice.trainer.sections import frozen_engine
-from sluice.trainer.updates import UpdateSchedule, train_global_batch
+from sluice.trainer.updates import UpdateSchedule
 
 MICRO_BATCH_TOKENS = 2048
 ONE_UPDATE = UpdateSchedule()
@@ -71,9 +71,8 @@ def _variants(model_dir: str, samples: list[Sample]) -> dict[str, Callable[[], N
     def ppo() -> None:
         actor = HFTrainEngine.from_pretrained(model_dir, lr=1e-4)
         critic = CriticEngine(model_dir, lr=1e-4)
-        ppo_critic_step(
-            actor, critic, samples, GRPOAlgorithm(estimator="gae"), MICRO_BATCH_TOKENS, UpdateSchedule(), 1.0
-        )
+        algorithm = GRPOAlgorithm(estimator="gae")
+        train_global_batch(actor, samples, algorithm, MICRO_BATCH_TOKENS, UpdateSchedule(), 1.0, critic=critic)
 
     reference = frozen_engine(model_dir, TrainerConfig(), 1.0)
     return {

@@ -132,8 +132,11 @@ def test_two_data_parallel_ranks_give_one_process_update(
     if updates == "critic":  # the critic's updates too: summed over the ranks under each mini-batch's tokens
         for one_value, two_value in zip(_train(one, "value_loss"), _train(two, "value_loss"), strict=True):
             assert two_value == pytest.approx(one_value, rel=1e-5)
+    # float32 rounding: the ranks' summed gradients and one trainer's differ in the last bits, and
+    # Adam divides near-zero gradients by their own root mean square; on an AVX-512 / AMX host the
+    # critic runs' largest weight gap is 1.35e-6 (a wrong normaliser moves the losses above)
     for name, value in one_weights.items():
-        torch.testing.assert_close(two_weights[name], value, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(two_weights[name], value, atol=4e-6, rtol=1e-5)
     weights = next(r for r in two if r["kind"] == "weights")  # fingerprints() checks the ranks agree
     assert weights["engine_version"] == weights["trainer_version"] == 2
     assert weights["engine_checksum"] == weights["trainer_checksum"]

@@ -19,9 +19,9 @@ from sluice.dag.model_nodes import ModelBindings
 from sluice.engines.critic import CriticEngine
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
-from sluice.trainer.ppo import ppo_critic_step
+from sluice.trainer.rl_step import train_global_batch
 from sluice.trainer.sections import frozen_engine
-from sluice.trainer.updates import UpdateSchedule, train_global_batch
+from sluice.trainer.updates import UpdateSchedule
 from tiny import VOCAB, tiny_llama
 
 torch.set_num_threads(1)
@@ -88,7 +88,9 @@ def test_ppo_dag_gives_the_losses_of_ppo_critic_step(model_dir, kl):
     for step in range(2):
         samples = _samples(seed=10 + step)
         batch = reference_logprobs(reference, samples, 1.0) if kl else samples
-        want = ppo_critic_step(actors[0], critics[0], batch, algo, MB_TOKENS, SCHEDULE, 1.0, 0.9, 0.8)
+        want = train_global_batch(
+            actors[0], batch, algo, MB_TOKENS, SCHEDULE, 1.0, critic=critics[0], gamma=0.9, lam=0.8
+        )
         got = chain.run(samples, GROUP, step)
         assert got == want and want["value_loss"] > 0
         assert _same_weights(actors[0], actors[1])

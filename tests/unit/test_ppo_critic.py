@@ -24,10 +24,10 @@ from sluice.trainer.ppo import (
     VALUES_COLUMN,
     CriticSpec,
     gae_targets,
-    ppo_critic_step,
     token_rewards,
     whiten,
 )
+from sluice.trainer.rl_step import train_global_batch
 from sluice.trainer.sections import algorithm_of, critic_of, schedule_of
 from sluice.trainer.updates import UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
@@ -129,7 +129,7 @@ def test_ppo_critic_step_updates_actor_and_critic(model_dir):
     critic = CriticEngine(model_dir, lr=1e-2)
     before = {k: v.clone() for k, v in actor.export_weights().items()}
     algo = GRPOAlgorithm(estimator="gae")
-    metrics = ppo_critic_step(actor, critic, samples, algo, 64, UpdateSchedule(2, 1, True), 1.0)
+    metrics = train_global_batch(actor, samples, algo, 64, UpdateSchedule(2, 1, True), 1.0, critic=critic)
     assert metrics["optimizer_steps"] == 2 and metrics["value_tokens"] == sum(sum(s.loss_mask) for s in samples)
     assert metrics["value_mean"] == 0.0 and metrics["return_mean"] > 0 and metrics["value_loss"] > 0
     assert any(not torch.equal(before[k], v) for k, v in actor.export_weights().items())
@@ -229,7 +229,7 @@ def test_trainer_worker_trains_actor_and_critic_from_the_values_column_and_check
     metrics = trainer.finish_step()
 
     actor, critic = HFTrainEngine(tiny_llama(0), lr=1e-2), spec.engine(model_dir)
-    want = ppo_critic_step(actor, critic, flat, algo, 64, schedule, 1.0, values=values)
+    want = train_global_batch(actor, flat, algo, 64, schedule, 1.0, critic=critic, values=values)
     assert metrics["loss"] == want["loss"] and metrics["value_loss"] == want["value_loss"] > 0
     assert metrics["value_mean"] == want["value_mean"] != 0.0  # the column's values, not a fresh critic's
     published = trainer.critic_sync.fetch(1)  # type: ignore[union-attr]

@@ -228,7 +228,8 @@ def _ppo_steps(
     """``STEPS`` PPO steps with a critic (2 mini-batches × 2 epochs); ``rank`` -1: one process. ``values``
     ``None``: the critic values each step's samples itself (sync mode)."""
     from sluice.engines.critic import CriticEngine
-    from sluice.trainer.ppo import StepShare, ppo_critic_step
+    from sluice.trainer.ppo import StepShare
+    from sluice.trainer.rl_step import train_global_batch
 
     actor, critic = _engine(), CriticEngine(model_dir, lr=1e-2, token_budget=24)
     critic.model.double()
@@ -246,7 +247,11 @@ def _ppo_steps(
         else:
             held_values, everyone = [values[i] for i in mine], values
         share = StepShare(samples, everyone, mine)
-        steps.append(ppo_critic_step(actor, critic, held, algorithm, 64, SCHEDULE, 1.0, 1.0, 0.95, held_values, share))
+        steps.append(
+            train_global_batch(
+                actor, held, algorithm, 64, SCHEDULE, 1.0, critic=critic, lam=0.95, values=held_values, share=share
+            )
+        )
     return steps
 
 

@@ -11,8 +11,9 @@ import pytest
 
 from fakes import FakeAlgorithm, FakeTrainEngine
 from sluice.api import Sample, TrainEngine
+from sluice.trainer.rl_step import train_global_batch
 from sluice.trainer.step import InOrderPacker, plan_step, run_step, step_normaliser
-from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule, proximal_logprobs, run_updates, train_global_batch
+from sluice.trainer.updates import ONE_UPDATE, UpdateSchedule, proximal_logprobs, run_updates
 
 BUDGET = 10
 """Micro-batch token budget: the samples below cut as (s0, s1) | (s2) | (s3, s4)."""

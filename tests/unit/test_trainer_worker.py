@@ -13,8 +13,9 @@ from sluice.engines.hf_train import HFTrainEngine
 from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS, samples_to_rows
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.rl_step import train_global_batch
 from sluice.trainer.step import plan_step, run_step, step_normaliser
-from sluice.trainer.updates import UpdateSchedule, train_global_batch
+from sluice.trainer.updates import UpdateSchedule
 from sluice.trainer.worker import TRAIN_TASK, TrainerWorker
 from sluice.weights import InProcessWeightSync
 from tiny import VOCAB, tiny_llama

@@ -15,6 +15,7 @@ import torch
 from sluice.api import Sample
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.rl_step import train_global_batch
 from sluice.trainer.updates import (
     UpdateSchedule,
     merge_update_metrics,
@@ -22,7 +23,6 @@ from sluice.trainer.updates import (
     mini_batch_ranges,
     proximal_logprobs,
     run_updates,
-    train_global_batch,
 )
 from tiny import VOCAB, tiny_llama
 

@@ -2,7 +2,7 @@
 
 Each is one step of the classic code path cut at a column boundary, calling the same trainer
 functions (``trainer/updates.py``, ``trainer/ppo.py``, ``trainer/sections.py``), so a built-in
-DAG computes exactly what ``train_global_batch`` / ``ppo_critic_step`` compute (tested). The
+DAG computes exactly what ``trainer/rl_step.py``'s ``train_global_batch`` computes (tested). The
 engines come from ``ctx.models`` (``ModelBindings``): the run that places the node decides
 which process holds which model. Nothing here chooses rows or moves them.
 """

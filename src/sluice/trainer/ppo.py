@@ -9,8 +9,8 @@ then takes the step's updates (``trainer/updates.py``: mini-batches, epochs, pro
 and the critic the same schedule of clipped value-regression updates towards the returns,
 clipped around the values the advantages came from. The policy version advances once.
 
-``ppo_critic_step`` takes the values from the critic itself (``mode: sync``, where every model
-lives in one process) or as given, which is how the asynchronous pipeline's trainer runs it:
+The step itself is ``trainer/rl_step.py``'s ``train_global_batch`` with a critic: it takes the
+values from the critic or as given, which is how the asynchronous pipeline's trainer runs it:
 there the values are a queue column written by the critic-values task
 (``dag/node_worker.py``) with the newest critic the trainer has published.
 
@@ -26,18 +26,14 @@ from pathlib import Path
 
 import torch
 
-from sluice.api import Sample, TrainEngine
+from sluice.api import Sample
 from sluice.engines.critic import CriticEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.algos.gae import gae
 from sluice.trainer.losses.regularizers import kl_estimate
 from sluice.trainer.updates import (
     UpdateSchedule,
-    merge_update_metrics,
-    mini_batch_plan,
     mini_batch_ranges,
-    proximal_logprobs,
-    run_updates,
 )
 
 VALUES_COLUMN = "values"
@@ -110,51 +106,11 @@ def whiten(values: Sequence[Sequence[float]], masks: Sequence[Sequence[int]], ep
 @dataclass(frozen=True)
 class StepShare:
     """A data-parallel rank's view of the step: every rank's samples and values in step order,
-    and the positions in it of this rank's own (``ppo_critic_step``'s ``samples``)."""
+    and the positions in it of this rank's own (``train_global_batch``'s ``samples``)."""
 
     samples: Sequence[Sample]
     values: Sequence[Sequence[float]]
     mine: Sequence[int]
-
-
-def ppo_critic_step(
-    actor: TrainEngine,
-    critic: CriticEngine,
-    samples: Sequence[Sample],
-    algorithm: GRPOAlgorithm,
-    micro_batch_tokens: int,
-    schedule: UpdateSchedule,
-    temperature: float,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values: Sequence[Sequence[float]] | None = None,
-    share: StepShare | None = None,
-) -> dict[str, float]:
-    """One PPO training step with a critic; the actor's merged metrics plus the critic's sums
-    (``value_loss`` averaged over the critic's updates) and ``value_mean`` / ``return_mean``.
-    ``values`` (``[samples][response tokens]``): taken already, as the asynchronous trainer reads
-    them from the queue; by default the critic values the samples now. ``share``: under data
-    parallelism, the whole step (GAE's whitening and each mini-batch's normalisers span every
-    rank's samples; the engines sum the ranks' gradients)."""
-    if values is None:
-        values = critic.values(samples)
-    if share is None:
-        share = StepShare(samples, values, range(len(samples)))
-    everyone_advantages, everyone_returns = gae_targets(share.samples, share.values, algorithm, gamma, lam)
-    advantages = [everyone_advantages[i] for i in share.mine]
-    returns = [everyone_returns[i] for i in share.mine]
-    prox = proximal_logprobs(actor, samples, schedule, temperature)
-    plan = mini_batch_plan(share.samples, algorithm, schedule.mini_batches, share.mine)
-    metrics = merge_update_metrics(
-        run_updates(actor, samples, advantages, prox, algorithm, micro_batch_tokens, schedule, plan)
-    )
-    whole = mini_batch_ranges(len(share.samples), schedule.mini_batches)  # the cuts mini_batch_plan made
-    tokens = [float(sum(sum(share.samples[i].loss_mask) for i in part)) for part in whole]
-    parts = [(part.mine, total) for part, total in zip(plan, tokens, strict=True)]
-    metrics.update(critic_updates(critic, samples, returns, values, schedule, parts))
-    metrics["value_mean"] = loss_token_mean(share.values, share.samples)
-    metrics["return_mean"] = loss_token_mean(everyone_returns, share.samples)
-    return metrics
 
 
 def critic_updates(

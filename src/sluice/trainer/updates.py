@@ -143,18 +143,3 @@ def merge_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, float
         merged[key] = merged[key] / len(updates) if len(updates) > 1 else updates[0][key]
     merged["optimizer_steps"] = float(len(updates))
     return merged
-
-
-def train_global_batch(
-    engine: TrainEngine,
-    samples: Sequence[Sample],
-    algorithm: Algorithm,
-    micro_batch_tokens: int,
-    schedule: UpdateSchedule,
-    temperature: float,
-) -> dict[str, float]:
-    """One whole training step over a global batch that is all here: proximal log-probs (once),
-    advantages, then every update of the schedule; the merged metrics."""
-    prox = proximal_logprobs(engine, samples, schedule, temperature)
-    updates = run_updates(engine, samples, algorithm.advantages(samples), prox, algorithm, micro_batch_tokens, schedule)
-    return merge_update_metrics(updates)

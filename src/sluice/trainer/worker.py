@@ -1,34 +1,32 @@
-"""The train worker: streams a step's groups out of the TransferQueue into gradient accumulation.
+"""The train worker: reads a step's groups out of the TransferQueue and hands them to the RL step.
 
-The controller hands it group ids in the step's canonical order (``add_group``); the worker
-reads those rows from the queue itself (data never passes through the driver), computes the
-group's advantages, and runs each micro-batch as soon as it is complete — cut in order by
-``pack_in_order``, so the step is bit-identical to a whole-batch step over the same samples.
-``finish_step`` scales by the step-wide normaliser, takes the optimizer step and publishes the
-new weights; a schedule of several updates (PPO mini-batches, epochs, recomputed proximal
-log-probs) holds the step's samples and runs them all there. It is synchronous (a blocking queue
-read waits for the rows); the same class runs in a worker thread (``backend: local``) or as a
-Ray actor. With data parallelism (``join_data_parallel``) several workers each train the groups
-handed to them, told each group's place in the step, and their engine sums gradients before
-every optimizer update as ``trainer.strategy`` says (``ddp``, ``fsdp2``: ``engines/strategies.py``);
-rank 0 publishes (under ``fsdp2`` every rank takes part in gathering the weights, bucket by
-bucket, and in writing a checkpoint, each its shard). With a critic (``algorithm: ppo``) the
-rows also carry the critic-values task's ``values`` column, and the step trains the actor, then
-the critic (``trainer/ppo.py``), and publishes the critic before the policy
-(the critic-values node worker, ``dag/node_worker.py``, loads it). It does not choose groups.
+The controller hands it group ids in the step's canonical order (``add_groups``); the worker
+reads those rows from the queue itself (data never passes through the driver) and gives the
+samples to the step (``trainer/rl_step.py``: ``RLStep``, the one implementation of an RL step),
+which streams each micro-batch as soon as it is complete or holds the step for its updates.
+``finish_step`` takes the step's optimizer update(s) and publishes the new weights. It is
+synchronous (a blocking queue read waits for the rows); the same class runs in a worker thread
+(``backend: local``) or as a Ray actor. With data parallelism (``join_data_parallel``) several
+workers each train the groups handed to them, told each group's place in the step, and their
+engine sums gradients before every optimizer update as ``trainer.strategy`` says (``ddp``,
+``fsdp2``: ``engines/strategies.py``); rank 0 publishes (under ``fsdp2`` every rank takes part
+in gathering the weights, bucket by bucket, and in writing a checkpoint, each its shard). With
+a critic (``algorithm: ppo``) the rows also carry the critic-values task's ``values`` column;
+the critic is published before the policy (the critic-values node worker,
+``dag/node_worker.py``, loads it). A multi-controller step reads its rank's partition of the
+queue instead (``train_partition``). It does not choose groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sluice.api import Algorithm, Batch, MicroBatch, QueueClient, Sample, Shard, TrainEngine, WeightSync
+from sluice.api import Algorithm, Batch, QueueClient, Sample, Shard, TrainEngine, WeightSync
 from sluice.config import TrainerConfig
 from sluice.config.resources import TrainerResources
 from sluice.engines.hf_train import HFTrainEngine
@@ -37,19 +35,12 @@ from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.queue.shards import balance_shards
 from sluice.telemetry.samples import SampleSummary, summarize_samples
 from sluice.telemetry.trace import SpanRecorder
-from sluice.trainer.algorithm import GRPOAlgorithm
 from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
 from sluice.trainer.losses.common import off_policy_metrics
-from sluice.trainer.ppo import VALUES_COLUMN, StepShare, ppo_critic_step
+from sluice.trainer.ppo import VALUES_COLUMN
+from sluice.trainer.rl_step import RLStep
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.sections import algorithm_of, critic_of, schedule_of, train_engine
-from sluice.trainer.step import InOrderPacker, step_normaliser
-from sluice.trainer.updates import (
-    merge_update_metrics,
-    mini_batch_plan,
-    proximal_logprobs,
-    run_updates,
-)
 
 TRAIN_TASK = "train"
 TRAINER_STATE = "trainer_state.pt"
@@ -99,13 +90,7 @@ class TrainerWorker:
         """A column a node of the DAG wrote (e.g. a combined reward) that replaces ``reward``."""
         self.tracer = SpanRecorder("trainer", enabled=trace, max_events=trace_max_events)
         self.version = 0
-        self._step: InOrderPacker | None = None
-        self._held: list[Sample] = []
-        self._values: list[list[float]] = []
-        """The critic's values of each held sample (with a critic)."""
-        self._positions: list[int] = []
-        """The step position of each held sample's group (the data-parallel ranks' common order)."""
-        self._timing: dict[str, float] = {}
+        self._step: RLStep | None = None
         self._trained_uids: list[str] = []
         self._trained: list[Sample] = []
         """The last finished step's samples, every rank's (``trained_samples`` shows a few)."""
@@ -130,66 +115,53 @@ class TrainerWorker:
         if rank > 0:  # rank 0 keeps the name the trace summary reads as "the trainer"
             self.tracer = SpanRecorder(f"trainer{rank}", enabled=self.tracer.enabled, max_events=self.tracer.max_events)
 
-    @property
-    def holds_step(self) -> bool:
-        """The step's samples wait for ``finish_step``: whole-batch advantages, several updates, or
-        ``fsdp2`` (its forwards are collectives, which the ranks must run in lockstep)."""
-        return self.algorithm.whole_batch_advantages or not self.schedule.streams or self.strategy == "fsdp2"
-
-    def begin_step(self) -> None:
-        self._step = InOrderPacker(self.micro_batch_tokens)
-        self._held, self._positions, self._values = [], [], []
-        self._timing = {"wait_data_s": 0.0, "first_microbatch_at": 0.0}
-        self.engine.begin_step()
+    def begin_step(self, hold: bool = False) -> None:
+        """Open the next step (``hold``: train it whole at ``finish_step``, never streamed)."""
+        critic = (self.critic, self.critic_spec) if self.critic is not None and self.critic_spec is not None else None
+        self._step = RLStep(
+            self.engine, self.algorithm, self.schedule, self.micro_batch_tokens, self.temperature, self.tracer,
+            critic=critic, dp=self.dp, hold=hold or self.strategy == "fsdp2",
+        )  # fmt: skip
 
     def add_groups(self, group_ids: list[int], positions: list[int] | None = None) -> None:
-        """Read these groups' rows (one queue read, waiting until they are ready), then train every
-        micro-batch they complete; samples enter in the given group order. ``positions``: each
-        group's place in the whole step (data parallelism; default: after this worker's groups)."""
+        """Read these groups' rows (one queue read, waiting until they are ready) and hand them to
+        the step, which trains every micro-batch they complete when it streams; samples enter in
+        the given group order. ``positions``: each group's place in the whole step (data
+        parallelism; default: after this worker's groups)."""
         assert self._step is not None, "begin_step first"
         start = time.perf_counter()
         with self.tracer.span("wait_data", lane="trainer", groups=len(group_ids)):
             rows = [i for gid in group_ids for i in group_rows(gid, self.group_size)]
             batch = self.queue.get(TRAIN_TASK, self._columns(), len(rows), indices=rows, min_size=len(rows))
-        self._timing["wait_data_s"] += time.perf_counter() - start
+        self._step.timing["wait_data_s"] += time.perf_counter() - start
         position = {gid: k for k, gid in enumerate(group_ids)}
         samples, values = self._samples_of(batch)
         paired = sorted(zip(samples, values, strict=True), key=lambda p: position[p[0].group_id])
-        samples = [s for s, _ in paired]
-        if self.holds_step:
-            self._values.extend(v for _, v in paired)
-            start = self._positions[-1] + 1 if self._positions else 0
-            where = dict(zip(group_ids, positions or range(start, start + len(group_ids)), strict=True))
-            self._held.extend(samples)
-            self._positions.extend(where[s.group_id] for s in samples)
-            return
-        prox = proximal_logprobs(self.engine, samples, self.schedule, self.temperature)
-        for mb in self._step.add(samples, self.algorithm.advantages(samples), prox):
-            self._accumulate(mb)
+        where = dict(zip(group_ids, positions, strict=True)) if positions is not None else None
+        self._step.add([s for s, _ in paired], [v for _, v in paired], where)
 
     def train_partition(self, step: int, rows: int, timeout: float | None = None) -> dict[str, float]:
         """A multi-controller step (``run.controller: multi``): read this rank's shard of queue
         partition ``step`` (``rows`` rows in all; the queue splits them over the data-parallel
-        ranks by tokens, DistFlow's redistribution), then train the whole step as held samples
-        (a group may straddle ranks: its advantages come from every rank's rows) and publish."""
-        self.begin_step()
+        ranks by tokens, DistFlow's redistribution), then train the whole step (a group may
+        straddle ranks: the step is held, its advantages come from every rank's rows) and publish."""
+        self.begin_step(hold=True)  # a straddled group's advantages need every rank's rows
+        assert self._step is not None
         rank, size = (self.dp.rank, self.dp.world_size) if self.dp is not None else (0, 1)
         start = time.perf_counter()
         with self.tracer.span("wait_data", lane="trainer", step=step):
             batch = self.queue.get(
                 TRAIN_TASK, self._columns(), rows, partition=step, shard=Shard(rank, size), timeout=timeout
             )
-        self._timing["wait_data_s"] += time.perf_counter() - start
+        self._step.timing["wait_data_s"] += time.perf_counter() - start
         owed = len(balance_shards([1] * rows, size)[rank])
         if len(batch) != owed:
             raise TimeoutError(f"trainer rank {rank}: {len(batch)} of step {step}'s {owed} rows within {timeout} s")
         samples, values = self._samples_of(batch)
         order = sorted(range(len(samples)), key=lambda k: (samples[k].group_id, samples[k].uid))
-        self._held = [samples[k] for k in order]
-        self._values = [values[k] for k in order]
-        self._positions = [samples[k].group_id for k in order]  # every rank's common step order
-        held, self._held = self._held, []
-        return self._train_held(held)
+        in_order = [samples[k] for k in order]
+        self._step.add(in_order, [values[k] for k in order], {s.group_id: s.group_id for s in in_order})
+        return self.finish_step()
 
     def _columns(self) -> tuple[str, ...]:
         columns = train_columns(self.algorithm.uses_reference) + ((VALUES_COLUMN,) if self.critic else ())
@@ -207,75 +179,10 @@ class TrainerWorker:
         return samples, values
 
     def finish_step(self) -> dict[str, float]:
-        """Flush, scale by the step-wide normaliser, optimizer step, publish version ``v + 1``."""
+        """The step's optimizer update(s) (``RLStep``), then publish version ``v + 1``."""
         assert self._step is not None, "begin_step first"
-        if self.holds_step:
-            held, self._held = self._held, []
-            return self._train_held(held)
-        for mb in self._step.flush():
-            self._accumulate(mb)
-        with self.tracer.span("optimizer_step", lane="trainer"):
-            step_samples = self._everyone(self._step.samples)
-            metrics = self.engine.finish_step(grad_scale=1.0 / step_normaliser(step_samples, self.algorithm))
-            if self.dp is not None:
-                metrics = self.dp.sum_metrics(metrics)
+        metrics, step_samples = self._step.finish()
         return self._publish(metrics, step_samples)
-
-    def _train_held(self, held: list[Sample]) -> dict[str, float]:
-        """Every update of the schedule over the held step: proximal log-probs once (at the step's
-        start), advantages over the whole step, then each mini-batch's update with the ranks'
-        gradients summed under that mini-batch's normaliser over all ranks."""
-        step_samples, step_values, mine = self._step_order(held)
-        if self.critic is not None:
-            return self._train_with_critic(held, StepShare(step_samples, step_values, mine))
-        with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
-            prox = proximal_logprobs(self.engine, held, self.schedule, self.temperature)
-            everyone = self.algorithm.advantages(step_samples)
-            advantages = [everyone[i] for i in mine]
-            plan = mini_batch_plan(step_samples, self.algorithm, self.schedule.mini_batches, mine)
-            updates = run_updates(
-                _Traced(self), held, advantages, prox, self.algorithm, self.micro_batch_tokens, self.schedule, plan
-            )
-            metrics = merge_update_metrics(updates)
-            if self.dp is not None:
-                metrics = self.dp.sum_metrics(metrics)
-        return self._publish(metrics, step_samples)
-
-    def _train_with_critic(self, held: list[Sample], share: StepShare) -> dict[str, float]:
-        """PPO's step over the held samples and their ``values`` column: GAE over the whole step
-        (``share``: every rank's), the actor's updates, the critic's updates."""
-        assert self.critic is not None and self.critic_spec is not None
-        values, self._values = self._values, []
-        spec, algorithm = self.critic_spec, self.algorithm
-        assert isinstance(algorithm, GRPOAlgorithm), "PPO's GAE needs the built-in algorithm"
-        with self.tracer.span("optimizer_step", lane="trainer", updates=self.schedule.updates):
-            metrics = ppo_critic_step(
-                _Traced(self), self.critic, held, algorithm, self.micro_batch_tokens, self.schedule,
-                self.temperature, spec.gamma, spec.lam, values, share,
-            )  # fmt: skip
-            if self.dp is not None:
-                metrics = self.dp.sum_metrics(metrics)
-        return self._publish(metrics, list(share.samples))
-
-    def _step_order(self, held: list[Sample]) -> tuple[list[Sample], list[list[float]], list[int]]:
-        """The whole step's samples and their critic values in step order (every rank's, by group
-        position) and the positions in it of ``held`` (this worker's, already in step order)."""
-        positions, self._positions = self._positions, []
-        values = self._values if self.critic is not None else [[] for _ in held]
-        if self.dp is None:
-            return held, values, list(range(len(held)))
-        parts = self.dp.all_gather(list(zip(positions, held, values, strict=True)))
-        keyed = sorted((pos, rank, k) for rank, part in enumerate(parts) for k, (pos, _, _) in enumerate(part))
-        step_samples = [parts[rank][k][1] for _, rank, k in keyed]
-        step_values = [parts[rank][k][2] for _, rank, k in keyed]
-        mine = [i for i, (_, rank, _) in enumerate(keyed) if rank == self.dp.rank]
-        return step_samples, step_values, mine
-
-    def _everyone(self, samples: list[Sample]) -> list[Sample]:
-        """The whole step's samples over all data-parallel ranks (rank order); ``samples`` alone."""
-        if self.dp is None:
-            return samples
-        return [s for part in self.dp.all_gather(samples) for s in part]
 
     def _publish(self, metrics: dict[str, float], samples: list[Sample]) -> dict[str, float]:
         """Version ``v + 1``: publish the weights, close the step, report."""
@@ -287,12 +194,13 @@ class TrainerWorker:
             metrics = {**metrics, f"{self.reward_column}_mean": mean}
         self._trained_uids = [s.uid for s in samples]
         self._trained = samples
+        timing = self._step.timing if self._step is not None else {}
         self._step = None
         return {
             "optimizer_steps": 1.0,
             **metrics,
             **off_policy_metrics(metrics),
-            **self._timing,
+            **timing,
             "trained_tokens": float(trained),
             "version": float(self.version),
         }
@@ -363,37 +271,3 @@ class TrainerWorker:
 
     def drain_trace(self) -> list[dict[str, Any]]:
         return self.tracer.drain()
-
-    def _accumulate(self, mb: MicroBatch) -> None:
-        if not self._timing["first_microbatch_at"]:
-            self._timing["first_microbatch_at"] = time.time()
-        with self.tracer.span("train_microbatch", lane="trainer", samples=len(mb.samples)):
-            self.engine.accumulate(mb, self.algorithm)
-
-
-class _Traced:
-    """The worker's engine with each micro-batch traced as the streaming path traces it."""
-
-    def __init__(self, worker: TrainerWorker) -> None:
-        self.worker = worker
-
-    def logprobs(self, samples: Sequence[Sample], temperature: float) -> list[list[float]]:
-        return self.worker.engine.logprobs(samples, temperature)
-
-    def begin_step(self) -> None:
-        self.worker.engine.begin_step()
-
-    def accumulate(self, mb: MicroBatch, algorithm: Algorithm) -> None:
-        self.worker._accumulate(mb)
-
-    def finish_step(self, grad_scale: float = 1.0) -> dict[str, float]:
-        return self.worker.engine.finish_step(grad_scale)
-
-    def export_weights(self) -> Mapping[str, torch.Tensor]:
-        return self.worker.engine.export_weights()
-
-    def save(self, path: str, *, optimizer: bool = True) -> None:
-        self.worker.engine.save(path, optimizer=optimizer)
-
-    def load(self, path: str) -> None:
-        self.worker.engine.load(path)

@@ -46,7 +46,8 @@ def gae_advantages(
     """GAE needs per-token values from a critic: they are not in the rewards."""
     raise ValueError(
         "the 'gae' estimator needs per-token values from a critic: use trainer.algorithm=ppo "
-        "(sluice.trainer.ppo.ppo_critic_step), or call sluice.trainer.algos.gae(rewards, values, gamma, lam, mask)"
+        "(sluice.trainer.rl_step.train_global_batch with a critic), "
+        "or call sluice.trainer.algos.gae(rewards, values, gamma, lam, mask)"
     )
 
 
