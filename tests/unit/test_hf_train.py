@@ -12,6 +12,7 @@ from sluice.api.protocols import TrainEngine
 from sluice.api.types import MicroBatch, Sample
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.losses.common import off_policy_metrics
 from sluice.trainer.step import run_step
 from tiny import VOCAB, tiny_llama
 
@@ -153,3 +154,16 @@ def test_the_log_prob_gap_is_measured_on_the_steps_first_micro_batch() -> None:
     metrics = run_step(engine, batches, GRPOAlgorithm(), 1.0)
     assert metrics["logprob_gap_mean"] == pytest.approx(0.25, abs=1e-4)
     assert metrics["logprob_gap_max"] == pytest.approx(0.25, abs=1e-4)
+
+
+def test_entropy_is_logged_without_an_entropy_term() -> None:
+    """``entropy`` (mean token entropy of the step's loss tokens) is a metric of every step, not
+    only of runs with ``trainer.entropy_coef > 0``; with the term it is the same number."""
+    samples = make_samples(6)
+    plain = HFTrainEngine(tiny_model(), lr=1e-3)
+    metrics = run_step(plain, step_batches(plain, samples, [3, 3]), GRPOAlgorithm(), 1.0)
+    with_term = HFTrainEngine(tiny_model(), lr=1e-3)
+    bonus = run_step(with_term, step_batches(with_term, samples, [3, 3]), GRPOAlgorithm(entropy_coef=0.01), 1.0)
+    entropy = off_policy_metrics(metrics)["entropy"]  # as the trainer worker reports it
+    assert entropy > 0
+    assert entropy == pytest.approx(off_policy_metrics(bonus)["entropy"], rel=1e-5)
