@@ -318,8 +318,22 @@ class HFTrainEngine:
         if not self.lockstep:
             state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
             self.optimizer.load_state_dict(state)
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
+        self._restore_schedule(path)
+
+    def _restore_schedule(self, path: str) -> None:
+        """This engine's ``lr`` and schedule over the restored optimizer, at the checkpoint's
+        update count: a resume may change both (``controller/checkpoint.RESUMABLE``), and the
+        optimizer's and the scheduler's saved state hold the old rate."""
+        file = os.path.join(path, SCHEDULER_FILE)
+        if os.path.isfile(file):
+            done = int(torch.load(file, weights_only=True)["last_epoch"])
+        else:  # written without a schedule: AdamW counts its updates per parameter
+            done = max((int(s["step"]) for s in self.optimizer.state.values() if "step" in s), default=0)
+        lr = float(self._optimizer_args["lr"])  # type: ignore[arg-type]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = group["lr"] = lr
+        if self._lr_schedule is not None:
+            self.scheduler = self._lr_schedule.build(self.optimizer, done)
 
     def plan_forwards(self, samples: Sequence[Sample], budget: int) -> list[list[list[int]]]:
         """Forward chunks → rows → sample indices, in the engine's layout."""
