@@ -1,5 +1,5 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``plot``, ``plan``,
-``simulate``, ``plan-dag``, ``config-docs``.
+"""The ``sluice`` command line: ``train``, ``eval``, ``init``, ``bench``, ``trace``, ``plot``,
+``plan``, ``simulate``, ``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2, and a run that stopped itself
@@ -97,6 +97,24 @@ def _parser() -> argparse.ArgumentParser:
     dag_plan.add_argument("file", help="DAG YAML file, or a built-in name (grpo, grpo_kl, ppo, ppo_kl)")
     dag_plan.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated")
     dag_plan.set_defaults(func=_plan_dag)
+    init = sub.add_parser(
+        "init", help="write a first run config from a model folder and a data file (guessed, checked, explained)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  sluice init --model my_model --data train.parquet --val val.parquet "
+        "--reward my_rewards.py:score rollout.group_size=8\n\n"
+        "then: sluice train my_run.yaml run.steps=2; every key: sluice config-docs (docs/config.md)",
+    )  # fmt: skip
+    init.add_argument("--model", required=True, metavar="PATH", help="local Hugging Face model folder")
+    init.add_argument(
+        "--data", required=True, metavar="FILE", help="training rows: JSONL, JSON, parquet or a datasets folder"
+    )
+    init.add_argument("--val", metavar="FILE", help="validation rows (same formats); none: no evaluation")
+    init.add_argument(
+        "--reward", metavar="REF", help="path/file.py:fn, module:fn or a built-in name (default: exact_match)"
+    )
+    init.add_argument("--out", default="my_run.yaml", help="the config to write (default: my_run.yaml)")
+    init.add_argument("overrides", nargs="*", metavar="key=value", help="written as given, over any guess")
+    init.set_defaults(func=_init)
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
     return parser
@@ -251,6 +269,18 @@ def _plan_dag(args: argparse.Namespace) -> int:
     from sluice.dag import compile_dag, load_dag
 
     print(compile_dag(load_dag(args.file), args.placement).render())
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    from sluice.init import init_config
+
+    result = init_config(args.model, args.data, args.out, args.val, args.reward, args.overrides)
+    for guess in result.guesses:
+        print(f"  {guess.key} = {guess.value!r}: {guess.why}")
+    for line in result.checks:
+        print(line)
+    print(f"wrote {result.path}; next: sluice train {result.path} run.steps=2")
     return 0
 
 

@@ -28,9 +28,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _read_yaml(Path(path))
         _anchor_reward_files(data, Path(path).parent)
     for item in overrides or []:
-        key, value = _parse_override(item)
+        key, value = parse_override(item)
         refuse_moved(key)
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
     _anchor_reward_files(data, Path.cwd())  # an override's file: Ray workers run in other directories
     return validate_config(data)
 
@@ -129,7 +129,7 @@ def _anchor_reward_files(data: dict[str, Any], folder: Path) -> None:
         reward["by_source"] = {source: anchored(ref) for source, ref in reward["by_source"].items()}
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. rollout.group_size=8")
@@ -140,7 +140,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
