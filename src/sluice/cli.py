@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,16 +25,12 @@ from sluice.config import ConfigError, SluiceConfig, dump_config, load_config
 
 if TYPE_CHECKING:
     from sluice.rollout.evaluate import EvalScores
+    from sluice.tasks.spec import TaskSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args, stray = parser.parse_known_args(argv)
-    takes = next((name for name in ("overrides", "args") if hasattr(args, name)), None)
-    if stray and takes and all("=" in a and not a.startswith("-") for a in stray):
-        setattr(args, takes, [*getattr(args, takes), *stray])  # key=value after an option: `train C --dry-run k=v`
-    elif stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
@@ -48,23 +45,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+_OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
+"""A ``section.key=value`` token (what ``--variants 'sync,async η=1'`` or a path never looks like)."""
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments, with every ``key=value`` after the command taken as an override wherever it
+    stands (before, between or after positionals and options); a command without overrides
+    refuses them in one line."""
+    at = next((k for k, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    pulled = [a for a in argv[at + 1 :] if _OVERRIDE.match(a)]
+    args = parser.parse_args([*argv[: at + 1], *(a for a in argv[at + 1 :] if not _OVERRIDE.match(a))])
+    takes = next((name for name in ("overrides", "args") if hasattr(args, name)), None)
+    if pulled and takes is None:
+        parser.error(f"{argv[at]} takes no key=value overrides (got {' '.join(pulled)})")
+    if takes is not None:
+        setattr(args, takes, [*getattr(args, takes), *pulled])
+    return args
+
+
+EXAMPLES = {
+    "train": ("sluice train my_run.yaml run.steps=100 rollout.group_size=8 --dry-run",
+              "resume=auto continues the run's last checkpoint"),
+    "eval": ("sluice eval runs/my_run/final_model --data val.parquet eval.samples=4 reward.fn=my_rewards.py:fn", ""),
+    "init": ("sluice init --model my_model --data train.parquet --val val.parquet --reward my_rewards.py:score",
+             "then: sluice train my_run.yaml run.steps=2"),
+    "bench": ("sluice bench e2e run.steps=30 --variants 'sync,async η=1'", "the overrides apply to every variant"),
+    "trace": ("sluice trace runs/default -o timeline.png", "a run writes trace.json with run.trace=true"),
+    "plot": ("sluice plot runs/default -o curves.png", ""),
+    "plan": ("sluice plan --model qwen2.5-7b --device H100 --devices 16 --batch 64", ""),
+    "simulate": ("sluice simulate --model qwen2.5-7b --device H100 --rollout-devices 8 --train-devices 8", ""),
+    "plan-dag": ("sluice plan-dag grpo --placement disaggregated", ""),
+    "config-docs": ("sluice config-docs > config.md", ""),
+}  # fmt: skip
+"""Each command's ``--help`` example, and a note before the pointer to the reference."""
+
+
+def _add_examples(commands: dict[str, argparse.ArgumentParser]) -> None:
+    for name, (example, note) in EXAMPLES.items():
+        commands[name].formatter_class = argparse.RawDescriptionHelpFormatter
+        reference = "every key: sluice config-docs (docs/config.md)"
+        commands[name].epilog = f"example:\n  {example}\n\n{note + '; ' if note else ''}{reference}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    train = sub.add_parser(
-        "train", help="run training", formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  sluice train my_run.yaml run.steps=100 rollout.group_size=8 --dry-run\n\n"
-        "every key: sluice config-docs (docs/config.md); resume=auto continues the run's last checkpoint",
-    )  # fmt: skip
+    train = sub.add_parser("train", help="run training")
     train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
-    ev = sub.add_parser(
-        "eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  sluice eval runs/my_run/final_model --data val.parquet eval.samples=4 "
-        "reward.fn=my_rewards.py:fn\n\nevery key: sluice config-docs (docs/config.md)",
-    )  # fmt: skip
+    ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.samples=4 reward.name=...")
     ev.add_argument(
@@ -98,12 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     dag_plan.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated")
     dag_plan.set_defaults(func=_plan_dag)
     init = sub.add_parser(
-        "init", help="write a first run config from a model folder and a data file (guessed, checked, explained)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  sluice init --model my_model --data train.parquet --val val.parquet "
-        "--reward my_rewards.py:score rollout.group_size=8\n\n"
-        "then: sluice train my_run.yaml run.steps=2; every key: sluice config-docs (docs/config.md)",
-    )  # fmt: skip
+        "init", help="write a first run config from a model folder and a data file (guessed, checked)"
+    )
     init.add_argument("--model", required=True, metavar="PATH", help="local Hugging Face model folder")
     init.add_argument(
         "--data", required=True, metavar="FILE", help="training rows: JSONL, JSON, parquet or a datasets folder"
@@ -117,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     init.set_defaults(func=_init)
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
+    _add_examples(sub.choices)
     return parser
 
 
@@ -139,10 +167,13 @@ def _train(args: argparse.Namespace) -> int:
     path, overrides = _split_args(args.args)
     cfg = load_config(path, overrides)
     console = Console()
+    task = _check_before_torch(cfg)
     if args.dry_run:
-        console.print(dump_config(cfg), end="", markup=False, highlight=False)
+        from sluice.config.usage import unused_sections
+
+        text = dump_config(cfg, unused_sections(cfg, task.env))
+        console.print(text, end="", markup=False, highlight=False)
         return 0
-    _check_before_torch(cfg)
     from sluice.rl_trainer import RLTrainer
     from sluice.runtime.preemption import RunPreempted
     from sluice.telemetry import TrainProgress
@@ -194,16 +225,16 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_before_torch(cfg: SluiceConfig) -> None:
+def _check_before_torch(cfg: SluiceConfig) -> TaskSpec:
     """A wrong ``model.path``, task name, agentic section or data setting is said before torch and
-    transformers are imported (seconds)."""
+    transformers are imported (seconds); the run's built-in task."""
     from sluice.preflight import preflight
 
     if cfg.model.path:
         from sluice.engines.model_folder import check_model_dir
 
         check_model_dir(cfg.model.path)
-    preflight(cfg, reward_given=False)
+    return preflight(cfg, reward_given=False)
 
 
 def _scores(scores: EvalScores, k: int) -> str:
@@ -214,6 +245,7 @@ def _scores(scores: EvalScores, k: int) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    load_config(None, args.overrides)  # fail fast on a bad override, before torch
     from sluice.bench.e2e import (
         DEFAULT_VARIANTS,
         VARIANTS,
@@ -229,7 +261,6 @@ def _bench(args: argparse.Namespace) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ConfigError(f"bench e2e --variants: unknown {unknown} (choose from {list(VARIANTS)})")
-    load_config(None, args.overrides)  # fail fast on a bad override
     overrides, mu = workload_overrides(args.workload, args.overrides, "runs/bench_e2e")
     if mu is not None:
         print(f"workload {args.workload}: μ = σ = {mu:.4f} s (median wall time of one generation turn, measured)")

@@ -77,6 +77,7 @@ def init_config(
     from sluice.engines.model_folder import check_model_dir
 
     out = Path(out)
+    load_config(None, list(overrides))  # a wrong key is said before the data and the model are read
     given = dict(parse_override(item) for item in overrides)
     check_model_dir(model)
     rows = read_rows(data)

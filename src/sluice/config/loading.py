@@ -7,6 +7,7 @@ can print it without a traceback. This module does not know what the fields mean
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,11 @@ def steps_of_epochs(cfg: SluiceConfig, prompts: int) -> SluiceConfig:
     return validate_config(data)
 
 
-def dump_config(cfg: SluiceConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: SluiceConfig, leave_out: Sequence[str] = ()) -> str:
+    """``cfg`` as YAML; the ``leave_out`` sections are named in a first comment line instead."""
+    data = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in leave_out}
+    head = f"# not read by this run, left out: {', '.join(leave_out)}\n" if leave_out else ""
+    return head + yaml.safe_dump(data, sort_keys=False)
 
 
 def read_utf8(path: Path, error: type[Exception]) -> str:
