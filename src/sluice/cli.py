@@ -174,6 +174,15 @@ def _train(args: argparse.Namespace) -> int:
         text = dump_config(cfg, unused_sections(cfg, task.env))
         console.print(text, end="", markup=False, highlight=False)
         return 0
+    from pathlib import Path
+
+    from sluice.telemetry.console import run_console
+
+    with run_console(Path(cfg.run.output_dir) / cfg.run.name):  # Ray's and libraries' lines: run.log
+        return _run(cfg, console)
+
+
+def _run(cfg: SluiceConfig, console: Console) -> int:
     from sluice.rl_trainer import RLTrainer
     from sluice.runtime.preemption import RunPreempted
     from sluice.telemetry import TrainProgress
