@@ -17,7 +17,8 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 
@@ -174,15 +175,13 @@ def _train(args: argparse.Namespace) -> int:
         text = dump_config(cfg, unused_sections(cfg, task.env))
         console.print(text, end="", markup=False, highlight=False)
         return 0
-    from pathlib import Path
-
     from sluice.telemetry.console import run_console
 
-    with run_console(Path(cfg.run.output_dir) / cfg.run.name):  # Ray's and libraries' lines: run.log
-        return _run(cfg, console)
+    with run_console(Path(cfg.run.output_dir) / cfg.run.name) as terminal:  # Ray's and libraries' lines: run.log
+        return _run(cfg, console, terminal)
 
 
-def _run(cfg: SluiceConfig, console: Console) -> int:
+def _run(cfg: SluiceConfig, console: Console, terminal: TextIO) -> int:
     from sluice.rl_trainer import RLTrainer
     from sluice.runtime.preemption import RunPreempted
     from sluice.telemetry import TrainProgress
@@ -196,7 +195,7 @@ def _run(cfg: SluiceConfig, console: Console) -> int:
         with TrainProgress(trainer.config.run.steps, "train", cfg.run.progress, console) as bar:  # epochs: derived
             result = trainer.fit(progress=bar)
     except RunPreempted as stopped:  # SIGTERM / SIGINT: stopped at a checkpoint, every process gone
-        print(stopped, file=sys.stderr, flush=True)
+        print(stopped, file=terminal, flush=True)
         return stopped.exit_code
     console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
     if result.base_accuracy is None or result.final_accuracy is None:
@@ -213,19 +212,26 @@ def _eval(args: argparse.Namespace) -> int:
         from sluice.data import check_user_data
 
         check_user_data(cfg, reward_given=False, files="--data")
+    from sluice.telemetry.console import run_console
+
+    with run_console(Path(cfg.run.output_dir) / cfg.run.name):  # libraries' lines: the run dir's run.log
+        return _evaluate(cfg, args.data)
+
+
+def _evaluate(cfg: SluiceConfig, data: str | None) -> int:
     from sluice.rl_trainer import RLTrainer
 
     trainer = RLTrainer(cfg)
     trainer.init_engines(train=False)
-    if args.data:
-        trainer.load_eval_data(args.data)
+    if data:
+        trainer.load_eval_data(data)
     else:
         trainer.load_prompt_data()
     result = trainer.evaluate()
-    what = args.data or "held-out"
+    what = data or "held-out"
     sampled = f", {result.samples} samples at T={cfg.eval.temperature}" if result.samples else ""
     print(f"{_scores(result, result.samples)}  ({result.count} {what} prompts, greedy{sampled})")
-    if len(result.by_source) > 1 or args.data:
+    if len(result.by_source) > 1 or data:
         for source, scores in result.by_source.items():
             print(f"  {source}: {_scores(scores, result.samples)}  ({scores.count} prompts)")
     buckets = "  ".join(f"{k} {100 * v.accuracy:.1f}" for k, v in result.by_bucket.items())
