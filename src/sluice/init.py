@@ -96,6 +96,8 @@ def init_config(
     guesses = [g for g in guesses if g.key not in given]
     config = _validated(guesses, given, out)
     checks = _check_rows(config, tokenizer, rows)
+    if val is not None:  # the same mapping must read the validation rows
+        checks += _check_rows(config, tokenizer, read_rows(val), reward=False)
     out.write_text(_yaml(guesses, given, model, data))
     load_config(out)  # as `sluice train` reads it
     return InitResult(out, guesses, checks)
@@ -112,7 +114,6 @@ def _files(data: str, val: str | None, out: Path) -> list[Guess]:
     found = [Guess("data.train_files", _path_for(data, out), "the training rows given (--data)")]
     if val is None:
         return [*found, Guess("run.eval_every", 0, "no --val file: nothing to evaluate on")]
-    read_rows(val)  # a bad validation file is said now
     return [*found, Guess("data.val_files", _path_for(val, out), "the validation rows given (--val)")]
 
 
@@ -254,9 +255,9 @@ def _validated(guesses: list[Guess], given: dict[str, Any], out: Path) -> Sluice
     return config
 
 
-def _check_rows(config: SluiceConfig, tokenizer: Any, rows: RowSet) -> list[str]:
-    """The first ``CHECKED_ROWS`` rows as a run reads them, and one reward call on the first
-    (its own answer as the response)."""
+def _check_rows(config: SluiceConfig, tokenizer: Any, rows: RowSet, reward: bool = True) -> list[str]:
+    """The first ``CHECKED_ROWS`` rows of ``rows`` as a run reads them, and with ``reward`` one
+    reward call on the first (its own answer as the response)."""
     from sluice.data.prompts import PromptBuilder, prompt_limit
     from sluice.rewards import resolve_reward
 
@@ -266,12 +267,12 @@ def _check_rows(config: SluiceConfig, tokenizer: Any, rows: RowSet) -> list[str]
     built = PromptBuilder(config.data, tokenizer, limit).build(head)
     first = built.items[0]
     lines = [
-        f"checked {len(head.rows)} of {len(rows.rows)} rows: mapped, rendered, tokenised; "
+        f"checked {len(head.rows)} of {len(rows.rows)} rows of {rows.source}: mapped, rendered, tokenised; "
         f"{len(built.items)} fit the prompt limit ({limit or 'none'})",
         f"row 1 as the model sees it ({len(first.prompt_ids)} tokens): {first.prompt!r:.200}",
     ]
-    if config.reward.fn is None and config.reward.name is None:
-        return lines
+    if not reward:
+        return lines[:1]
     fn = resolve_reward(config.reward, None)
     fields = dict(first.fields)
     score = fn(str(fields["answer"]), **fields)

@@ -73,7 +73,7 @@ def test_init_guesses_the_mapping_says_why_and_writes_a_loadable_config(tmp_path
     assert config.rollout.group_size == 2 and config.run.steps == 4  # 8 rows, 2 a step: one pass
     assert config.reward.fn == f"{tmp_path / 'my_rewards.py'}:score"
     assert "reward on row 1 with its own answer as the response: 1" in out
-    assert "checked 8 of 8 rows" in out and "wrote my_run.yaml" in out
+    assert "checked 8 of 8 rows of " in out and "wrote my_run.yaml" in out
     text = (tmp_path / "my_run.yaml").read_text()
     assert "prompt_key:" in text and "  # " in text  # commented
     if fmt == "verl_parquet":
@@ -108,3 +108,18 @@ def test_init_names_the_columns_when_it_finds_no_prompt_and_writes_nothing(tmp_p
     assert main(["init", "--model", str(tiny_task_model), "--data", "odd.jsonl", "data.prompt_key=x",
                  "data.answer_key=y"]) == 0  # fmt: skip
     assert yaml.safe_load((tmp_path / "my_run.yaml").read_text())["data"]["prompt_key"] == "x"
+
+
+def test_the_validation_rows_are_checked_with_the_same_mapping(tmp_path, tiny_task_model, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _flat(tmp_path)
+    (tmp_path / "val.jsonl").write_text(json.dumps({"question": "12>", "solution": "21"}) + "\n")
+    args = ["init", "--model", str(tiny_task_model), "--data", "flat.jsonl", *SMALL]
+    assert main([*args, "--val", "val.jsonl"]) == 0
+    config = load_config("my_run.yaml")
+    assert config.data.val_files == ("val.jsonl",) and config.run.eval_every == 20  # evaluated, the default
+    assert "checked 1 of 1 rows of val.jsonl" in capsys.readouterr().out
+    (tmp_path / "other.jsonl").write_text(json.dumps({"prompt": "12>", "answer": "21"}) + "\n")
+    assert main([*args, "--val", "other.jsonl", "--out", "other.yaml"]) == 2
+    assert "other.jsonl line 1: no prompt at 'question'" in capsys.readouterr().err
+    assert not (tmp_path / "other.yaml").exists()
