@@ -276,10 +276,13 @@ def _bench(args: argparse.Namespace) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ConfigError(f"bench e2e --variants: unknown {unknown} (choose from {list(VARIANTS)})")
-    overrides, mu = workload_overrides(args.workload, args.overrides, "runs/bench_e2e")
-    if mu is not None:
-        print(f"workload {args.workload}: μ = σ = {mu:.4f} s (median wall time of one generation turn, measured)")
-    rows = run_e2e(overrides, variants=variants)
+    from sluice.telemetry.console import run_console
+
+    with run_console("runs/bench_e2e"):  # the variants' Ray and library lines: runs/bench_e2e/run.log
+        overrides, mu = workload_overrides(args.workload, args.overrides, "runs/bench_e2e")
+        if mu is not None:
+            print(f"workload {args.workload}: μ = σ = {mu:.4f} s (median wall time of one generation turn, measured)")
+        rows = run_e2e(overrides, variants=variants)
     print(format_table(rows))
     print(f"wrote {write_json(rows, args.out, overrides, args.workload, mu)}")
     return 0
