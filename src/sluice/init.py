@@ -93,6 +93,7 @@ def init_config(
     guesses += [*mapping, *_lengths(model, tokenizer, rows, prompt_key, given)]
     guesses += _reward(reward, out)
     guesses += _sizes(len(rows.rows), given)
+    guesses.append(Guess("run.name", out.stem, f"named after the config: outputs in runs/{out.stem}/"))
     guesses = [g for g in guesses if g.key not in given]
     config = _validated(guesses, given, out)
     checks = _check_rows(config, tokenizer, rows)

@@ -90,9 +90,7 @@ def test_the_written_configs_train_two_steps_unchanged(tmp_path, tiny_task_model
         assert _init(folder, tiny_task_model, fmt, "run.backend=local", "run.mode=sync", "run.threads=1") == 0
         args = ["train", "my_run.yaml", "run.steps=2", "run.progress=false", "tracking.plot=false"]
         assert main(args) == 0, fmt
-        records = [
-            json.loads(line) for line in (folder / "runs" / "default" / "metrics.jsonl").read_text().splitlines()
-        ]
+        records = [json.loads(line) for line in (folder / "runs" / "my_run" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2], fmt
     assert capsys.readouterr().out.count("steps 2 in ") == 3
 
