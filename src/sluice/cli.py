@@ -1,5 +1,5 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``plot``, ``plan``,
-``simulate``, ``plan-dag``, ``config-docs``.
+"""The ``sluice`` command line: ``train``, ``eval``, ``init``, ``bench``, ``trace``, ``plot``,
+``plan``, ``simulate``, ``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2, and a run that stopped itself
@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 
@@ -24,16 +26,12 @@ from sluice.config import ConfigError, SluiceConfig, dump_config, load_config
 
 if TYPE_CHECKING:
     from sluice.rollout.evaluate import EvalScores
+    from sluice.tasks.spec import TaskSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args, stray = parser.parse_known_args(argv)
-    takes = next((name for name in ("overrides", "args") if hasattr(args, name)), None)
-    if stray and takes and all("=" in a and not a.startswith("-") for a in stray):
-        setattr(args, takes, [*getattr(args, takes), *stray])  # key=value after an option: `train C --dry-run k=v`
-    elif stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
@@ -48,23 +46,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+_OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
+"""A ``section.key=value`` token (what ``--variants 'sync,async η=1'`` or a path never looks like)."""
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments, with every ``key=value`` after the command taken as an override wherever it
+    stands (before, between or after positionals and options); a command without overrides
+    refuses them in one line."""
+    at = next((k for k, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    pulled = [a for a in argv[at + 1 :] if _OVERRIDE.match(a)]
+    args = parser.parse_args([*argv[: at + 1], *(a for a in argv[at + 1 :] if not _OVERRIDE.match(a))])
+    takes = next((name for name in ("overrides", "args") if hasattr(args, name)), None)
+    if pulled and takes is None:
+        parser.error(f"{argv[at]} takes no key=value overrides (got {' '.join(pulled)})")
+    if takes is not None:
+        setattr(args, takes, [*getattr(args, takes), *pulled])
+    return args
+
+
+EXAMPLES = {
+    "train": ("sluice train my_run.yaml run.steps=100 rollout.group_size=8 --dry-run",
+              "resume=auto continues the run's last checkpoint"),
+    "eval": ("sluice eval runs/my_run/final_model --data val.parquet eval.samples=4 reward.fn=my_rewards.py:fn", ""),
+    "init": ("sluice init --model my_model --data train.parquet --val val.parquet --reward my_rewards.py:score",
+             "then: sluice train my_run.yaml run.steps=2"),
+    "bench": ("sluice bench e2e run.steps=30 --variants 'sync,async η=1'", "the overrides apply to every variant"),
+    "trace": ("sluice trace runs/default -o timeline.png", "a run writes trace.json with run.trace=true"),
+    "plot": ("sluice plot runs/default -o curves.png", ""),
+    "plan": ("sluice plan --model qwen2.5-7b --device H100 --devices 16 --batch 64", ""),
+    "simulate": ("sluice simulate --model qwen2.5-7b --device H100 --rollout-devices 8 --train-devices 8", ""),
+    "plan-dag": ("sluice plan-dag grpo --placement disaggregated", ""),
+    "config-docs": ("sluice config-docs > config.md", ""),
+}  # fmt: skip
+"""Each command's ``--help`` example, and a note before the pointer to the reference."""
+
+
+def _add_examples(commands: dict[str, argparse.ArgumentParser]) -> None:
+    for name, (example, note) in EXAMPLES.items():
+        commands[name].formatter_class = argparse.RawDescriptionHelpFormatter
+        reference = "every key: sluice config-docs (docs/config.md)"
+        commands[name].epilog = f"example:\n  {example}\n\n{note + '; ' if note else ''}{reference}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    train = sub.add_parser(
-        "train", help="run training", formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  sluice train my_run.yaml run.steps=100 rollout.group_size=8 --dry-run\n\n"
-        "every key: sluice config-docs (docs/config.md); resume=auto continues the run's last checkpoint",
-    )  # fmt: skip
+    train = sub.add_parser("train", help="run training")
     train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
-    ev = sub.add_parser(
-        "eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  sluice eval runs/my_run/final_model --data val.parquet eval.samples=4 "
-        "reward.fn=my_rewards.py:fn\n\nevery key: sluice config-docs (docs/config.md)",
-    )  # fmt: skip
+    ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.samples=4 reward.name=...")
     ev.add_argument(
@@ -97,8 +129,23 @@ def _parser() -> argparse.ArgumentParser:
     dag_plan.add_argument("file", help="DAG YAML file, or a built-in name (grpo, grpo_kl, ppo, ppo_kl)")
     dag_plan.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated")
     dag_plan.set_defaults(func=_plan_dag)
+    init = sub.add_parser(
+        "init", help="write a first run config from a model folder and a data file (guessed, checked)"
+    )
+    init.add_argument("--model", required=True, metavar="PATH", help="local Hugging Face model folder")
+    init.add_argument(
+        "--data", required=True, metavar="FILE", help="training rows: JSONL, JSON, parquet or a datasets folder"
+    )
+    init.add_argument("--val", metavar="FILE", help="validation rows (same formats); none: no evaluation")
+    init.add_argument(
+        "--reward", metavar="REF", help="path/file.py:fn, module:fn or a built-in name (default: exact_match)"
+    )
+    init.add_argument("--out", default="my_run.yaml", help="the config to write (default: my_run.yaml)")
+    init.add_argument("overrides", nargs="*", metavar="key=value", help="written as given, over any guess")
+    init.set_defaults(func=_init)
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
+    _add_examples(sub.choices)
     return parser
 
 
@@ -121,10 +168,20 @@ def _train(args: argparse.Namespace) -> int:
     path, overrides = _split_args(args.args)
     cfg = load_config(path, overrides)
     console = Console()
+    task = _check_before_torch(cfg)
     if args.dry_run:
-        console.print(dump_config(cfg), end="", markup=False, highlight=False)
+        from sluice.config.usage import unused_sections
+
+        text = dump_config(cfg, unused_sections(cfg, task.env))
+        console.print(text, end="", markup=False, highlight=False)
         return 0
-    _check_before_torch(cfg)
+    from sluice.telemetry.console import run_console
+
+    with run_console(Path(cfg.run.output_dir) / cfg.run.name) as terminal:  # Ray's and libraries' lines: run.log
+        return _run(cfg, console, terminal)
+
+
+def _run(cfg: SluiceConfig, console: Console, terminal: TextIO) -> int:
     from sluice.rl_trainer import RLTrainer
     from sluice.runtime.preemption import RunPreempted
     from sluice.telemetry import TrainProgress
@@ -138,7 +195,7 @@ def _train(args: argparse.Namespace) -> int:
         with TrainProgress(trainer.config.run.steps, "train", cfg.run.progress, console) as bar:  # epochs: derived
             result = trainer.fit(progress=bar)
     except RunPreempted as stopped:  # SIGTERM / SIGINT: stopped at a checkpoint, every process gone
-        print(stopped, file=sys.stderr, flush=True)
+        print(stopped, file=terminal, flush=True)
         return stopped.exit_code
     console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}")
     if result.base_accuracy is None or result.final_accuracy is None:
@@ -155,19 +212,26 @@ def _eval(args: argparse.Namespace) -> int:
         from sluice.data import check_user_data
 
         check_user_data(cfg, reward_given=False, files="--data")
+    from sluice.telemetry.console import run_console
+
+    with run_console(Path(cfg.run.output_dir) / cfg.run.name):  # libraries' lines: the run dir's run.log
+        return _evaluate(cfg, args.data)
+
+
+def _evaluate(cfg: SluiceConfig, data: str | None) -> int:
     from sluice.rl_trainer import RLTrainer
 
     trainer = RLTrainer(cfg)
     trainer.init_engines(train=False)
-    if args.data:
-        trainer.load_eval_data(args.data)
+    if data:
+        trainer.load_eval_data(data)
     else:
         trainer.load_prompt_data()
     result = trainer.evaluate()
-    what = args.data or "held-out"
+    what = data or "held-out"
     sampled = f", {result.samples} samples at T={cfg.eval.temperature}" if result.samples else ""
     print(f"{_scores(result, result.samples)}  ({result.count} {what} prompts, greedy{sampled})")
-    if len(result.by_source) > 1 or args.data:
+    if len(result.by_source) > 1 or data:
         for source, scores in result.by_source.items():
             print(f"  {source}: {_scores(scores, result.samples)}  ({scores.count} prompts)")
     buckets = "  ".join(f"{k} {100 * v.accuracy:.1f}" for k, v in result.by_bucket.items())
@@ -176,16 +240,16 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_before_torch(cfg: SluiceConfig) -> None:
+def _check_before_torch(cfg: SluiceConfig) -> TaskSpec:
     """A wrong ``model.path``, task name, agentic section or data setting is said before torch and
-    transformers are imported (seconds)."""
+    transformers are imported (seconds); the run's built-in task."""
     from sluice.preflight import preflight
 
     if cfg.model.path:
         from sluice.engines.model_folder import check_model_dir
 
         check_model_dir(cfg.model.path)
-    preflight(cfg, reward_given=False)
+    return preflight(cfg, reward_given=False)
 
 
 def _scores(scores: EvalScores, k: int) -> str:
@@ -196,6 +260,7 @@ def _scores(scores: EvalScores, k: int) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    load_config(None, args.overrides)  # fail fast on a bad override, before torch
     from sluice.bench.e2e import (
         DEFAULT_VARIANTS,
         VARIANTS,
@@ -211,11 +276,13 @@ def _bench(args: argparse.Namespace) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ConfigError(f"bench e2e --variants: unknown {unknown} (choose from {list(VARIANTS)})")
-    load_config(None, args.overrides)  # fail fast on a bad override
-    overrides, mu = workload_overrides(args.workload, args.overrides, "runs/bench_e2e")
-    if mu is not None:
-        print(f"workload {args.workload}: μ = σ = {mu:.4f} s (median wall time of one generation turn, measured)")
-    rows = run_e2e(overrides, variants=variants)
+    from sluice.telemetry.console import run_console
+
+    with run_console("runs/bench_e2e"):  # the variants' Ray and library lines: runs/bench_e2e/run.log
+        overrides, mu = workload_overrides(args.workload, args.overrides, "runs/bench_e2e")
+        if mu is not None:
+            print(f"workload {args.workload}: μ = σ = {mu:.4f} s (median wall time of one generation turn, measured)")
+        rows = run_e2e(overrides, variants=variants)
     print(format_table(rows))
     print(f"wrote {write_json(rows, args.out, overrides, args.workload, mu)}")
     return 0
@@ -251,6 +318,18 @@ def _plan_dag(args: argparse.Namespace) -> int:
     from sluice.dag import compile_dag, load_dag
 
     print(compile_dag(load_dag(args.file), args.placement).render())
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    from sluice.init import init_config
+
+    result = init_config(args.model, args.data, args.out, args.val, args.reward, args.overrides)
+    for guess in result.guesses:
+        print(f"  {guess.key} = {guess.value!r}: {guess.why}")
+    for line in result.checks:
+        print(line)
+    print(f"wrote {result.path}; next: sluice train {result.path} run.steps=2")
     return 0
 
 

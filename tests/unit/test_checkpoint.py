@@ -88,12 +88,25 @@ def test_only_the_newest_k_stay_and_a_resume_drops_newer_ones(tmp_path):
     assert (again / "trainer" / "weights.bin").read_text() == "new"
 
 
-def test_config_changes_allow_run_control_only():
-    saved = {"run": {"steps": 10, "resume": None, "seed": 0}, "trainer": {"lr": 1e-4}}
-    same_run = {"run": {"steps": 20, "resume": "auto", "seed": 0}, "trainer": {"lr": 1e-4}}
+def test_config_changes_allow_lr_schedule_evaluation_tracking_and_run_control_only():
+    saved = {
+        "run": {"steps": 10, "resume": None, "seed": 0, "eval_every": 5},
+        "trainer": {"lr": 1e-4, "lr_schedule": "constant", "lr_warmup_steps": 0, "clip_high": 0.2},
+        "eval": {"samples": 0},
+        "tracking": {"trackers": [], "samples_every": 10},
+        "rollout": {"group_size": 8},
+    }
+    same_run = {
+        "run": {"steps": 20, "resume": "auto", "seed": 0, "eval_every": 2},
+        "trainer": {"lr": 3e-5, "lr_schedule": "cosine", "lr_warmup_steps": 3, "clip_high": 0.2},
+        "eval": {"samples": 4},
+        "tracking": {"trackers": ["tensorboard"], "samples_every": 1},
+        "rollout": {"group_size": 8},
+    }
     assert config_changes(saved, same_run) == []
-    other = {"run": {"steps": 20, "resume": "auto", "seed": 1}, "trainer": {"lr": 3e-4}}
-    assert config_changes(saved, other) == ["run.seed", "trainer.lr"]
+    other = {**same_run, "run": {**same_run["run"], "seed": 1}, "trainer": {**same_run["trainer"], "clip_high": 0.3}}
+    other["rollout"] = {"group_size": 4}
+    assert config_changes(saved, other) == ["rollout.group_size", "run.seed", "trainer.clip_high"]
 
 
 def test_logs_are_cut_back_to_their_size_at_the_checkpoint(tmp_path):

@@ -147,6 +147,21 @@ def test_a_changed_data_file_is_refused_naming_it(tmp_path):
     assert "\n" not in str(err.value) and paths[0].is_dir()
 
 
+def test_a_changed_config_is_refused_listing_the_changed_keys_and_what_may_change(tmp_path):
+    config, _, _ = _run_with_checkpoints(tmp_path, (2,))
+    allowed = _config(tmp_path, "run.resume=auto", "trainer.lr=3e-5", "eval.samples=2", "tracking.samples_every=1")
+    open_checkpoints(allowed, config_run_dir(config))  # lr, evaluation, tracking, run control: resumes
+    changed = _config(tmp_path, "run.resume=auto", "trainer.clip_high=0.3", "rollout.group_size=4")
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoints(changed, config_run_dir(config))
+    message = str(err.value)
+    assert "rollout.group_size, trainer.clip_high changed" in message
+    kinds = ("learning rate and schedule (trainer.lr, ", "evaluation (eval.*", "tracking (tracking.*)", "run.steps")
+    for kind in kinds:
+        assert kind in message
+    assert "\n" not in message
+
+
 def test_an_old_format_checkpoint_names_the_format_versions(tmp_path):
     run_dir = tmp_path / "r"
     old = run_dir / "checkpoints" / "step_000004"  # as an older sluice wrote it: no format, a pickle

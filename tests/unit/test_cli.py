@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.cli import main
+from sluice.cli import EXAMPLES, main
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -58,6 +58,11 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needle):
         (["eval", "/no/such/model"], "model.path: /no/such/model does not exist"),
         (["train", "task.name=nosuch"], "task.name: unknown task 'nosuch'"),
         (["train", "data.train_files=rows.jsonl"], "rollout.max_new_tokens: must be set with data.train_files"),
+        (["train", "--dry-run", "rollout.nope=1"], "rollout.nope: unknown key"),
+        (["eval", "rollout.nope=1", "/no/such/model", "--data", "val.parquet"], "rollout.nope: unknown key"),
+        (["bench", "e2e", "--variants", "sync", "rollout.nope=1"], "rollout.nope: unknown key"),
+        (["init", "rollout.nope=1", "--model", "m", "--data", "d.parquet"], "rollout.nope: unknown key"),
+        (["init", "--model", "/no/such/model", "--data", "d.parquet"], "model.path: /no/such/model does not exist"),
     ],
 )
 def test_a_config_error_is_reported_without_importing_torch(tmp_path, args, needle):
@@ -66,12 +71,15 @@ def test_a_config_error_is_reported_without_importing_torch(tmp_path, args, need
     check first, and asks only the error classes of modules already imported
     (``cli._user_errors``)."""
     child = (
-        f"import sys; from sluice.cli import main; code = main({args!r}); "
-        "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    )
+        f"import resource, sys; from sluice.cli import main; code = main({args!r}); "
+        "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules), "
+        "sum(resource.getrusage(resource.RUSAGE_SELF)[:2]))"
+    )  # CPU seconds of the whole process, interpreter start included (wall time is the machine's load)
     proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert needle in proc.stderr
-    assert proc.stdout.split() == ["2", "[]"], proc.stdout
+    code, modules, seconds = proc.stdout.split()
+    assert (code, modules) == ("2", "[]"), proc.stdout
+    assert float(seconds) < 1.0, proc.stdout
 
 
 def test_malformed_dataset_row_and_model_folder(tmp_path):
@@ -102,8 +110,51 @@ def test_malformed_dataset_row_and_model_folder(tmp_path):
 
 
 def test_each_command_help_has_an_example_and_the_reference(capsys):
-    for command in ("train", "eval"):
+    commands = ["train", "eval", "init", "bench", "trace", "plot", "plan", "simulate", "plan-dag", "config-docs"]
+    assert set(commands) <= set(EXAMPLES)
+    for command in commands:
         with pytest.raises(SystemExit):
             main([command, "--help"])
         out = capsys.readouterr().out
-        assert f"example:\n  sluice {command} " in out and "sluice config-docs" in out
+        assert f"example:\n  sluice {command} " in out and "sluice config-docs" in out, command
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "JSONL, JSON, parquet or a datasets folder" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["eval", "rollout.nope=1", "/no/such/model"],  # before the positional
+        ["eval", "/no/such/model", "--data", "val.parquet", "rollout.nope=1"],  # after an option
+        ["bench", "rollout.nope=1", "e2e"],
+        ["bench", "e2e", "--variants", "sync,async η=1", "rollout.nope=1"],  # a value with '=' is no override
+        ["init", "--model", "m", "rollout.nope=1", "--data", "d.jsonl"],
+        ["train", "rollout.nope=1", "--dry-run"],
+    ],
+)
+def test_overrides_count_anywhere_on_the_line_for_every_command(args, capsys):
+    assert main(args) == 2
+    assert "rollout.nope: unknown key" in capsys.readouterr().err
+
+
+def test_a_command_without_overrides_refuses_them_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["plot", "rollout.group_size=2", "runs/x"])
+    assert stop.value.code == 2
+    assert "plot takes no key=value overrides (got rollout.group_size=2)" in capsys.readouterr().err
+
+
+def test_dry_run_prints_only_the_sections_the_run_reads(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    own = [f"model.path={model}", "data.train_files=rows.jsonl", "rollout.max_new_tokens=8", "reward.name=exact_match"]
+    assert main(["train", "--dry-run", *own]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# not read by this run, left out: task, vllm, sglang, agentic, fleet\n")
+    assert "\ntask:" not in out and "\nvllm:" not in out and "\ndata:" in out
+    assert main(["train", "--dry-run", "rollout.engine=vllm", "task.name=calculator"]) == 0
+    out = capsys.readouterr().out
+    assert "\ntask:" in out and "\nvllm:" in out and "\nagentic:" in out and "\nsglang:" not in out

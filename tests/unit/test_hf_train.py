@@ -12,6 +12,7 @@ from sluice.api.protocols import TrainEngine
 from sluice.api.types import MicroBatch, Sample
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.trainer.algorithm import GRPOAlgorithm
+from sluice.trainer.losses.common import off_policy_metrics
 from sluice.trainer.step import run_step
 from tiny import VOCAB, tiny_llama
 
@@ -153,3 +154,41 @@ def test_the_log_prob_gap_is_measured_on_the_steps_first_micro_batch() -> None:
     metrics = run_step(engine, batches, GRPOAlgorithm(), 1.0)
     assert metrics["logprob_gap_mean"] == pytest.approx(0.25, abs=1e-4)
     assert metrics["logprob_gap_max"] == pytest.approx(0.25, abs=1e-4)
+
+
+def test_entropy_is_logged_without_an_entropy_term() -> None:
+    """``entropy`` (mean token entropy of the step's loss tokens) is a metric of every step, not
+    only of runs with ``trainer.entropy_coef > 0``; with the term it is the same number."""
+    samples = make_samples(6)
+    plain = HFTrainEngine(tiny_model(), lr=1e-3)
+    metrics = run_step(plain, step_batches(plain, samples, [3, 3]), GRPOAlgorithm(), 1.0)
+    with_term = HFTrainEngine(tiny_model(), lr=1e-3)
+    bonus = run_step(with_term, step_batches(with_term, samples, [3, 3]), GRPOAlgorithm(entropy_coef=0.01), 1.0)
+    entropy = off_policy_metrics(metrics)["entropy"]  # as the trainer worker reports it
+    assert entropy > 0
+    assert entropy == pytest.approx(off_policy_metrics(bonus)["entropy"], rel=1e-5)
+
+
+def test_a_resume_takes_the_configured_lr_and_schedule(tmp_path) -> None:
+    """A checkpoint restores the optimizer's state, and with it the old rate; the loading engine's
+    own ``lr`` and schedule apply from the checkpoint's update count on (a resume may change them)."""
+    from sluice.engines.lr_schedule import LrSchedule
+
+    samples = make_samples(6, seed=3)
+    constant = HFTrainEngine(tiny_model(), lr=1e-2)
+    for _ in range(2):
+        run_step(constant, step_batches(constant, samples, [6]), GRPOAlgorithm(), normaliser=1.0)
+    constant.save(str(tmp_path / "constant"))
+    schedule = LrSchedule("linear", 1, 10)
+    decayed = HFTrainEngine(tiny_model(), lr=1e-3, lr_schedule=schedule)
+    decayed.load(str(tmp_path / "constant"))  # no scheduler file: AdamW's update count
+    assert decayed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * schedule.factor(2))
+    run_step(decayed, step_batches(decayed, samples, [6]), GRPOAlgorithm(), normaliser=1.0)
+    assert decayed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * schedule.factor(3))
+    decayed.save(str(tmp_path / "decayed"))
+    again = HFTrainEngine(tiny_model(), lr=5e-4, lr_schedule=schedule)
+    again.load(str(tmp_path / "decayed"))  # the scheduler's own count, the new peak rate
+    assert again.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * schedule.factor(3))
+    back = HFTrainEngine(tiny_model(), lr=2e-3)
+    back.load(str(tmp_path / "decayed"))  # constant again
+    assert back.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)

@@ -7,6 +7,7 @@ can print it without a traceback. This module does not know what the fields mean
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _read_yaml(Path(path))
         _anchor_reward_files(data, Path(path).parent)
     for item in overrides or []:
-        key, value = _parse_override(item)
+        key, value = parse_override(item)
         refuse_moved(key)
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
     _anchor_reward_files(data, Path.cwd())  # an override's file: Ray workers run in other directories
     return validate_config(data)
 
@@ -81,8 +82,11 @@ def steps_of_epochs(cfg: SluiceConfig, prompts: int) -> SluiceConfig:
     return validate_config(data)
 
 
-def dump_config(cfg: SluiceConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: SluiceConfig, leave_out: Sequence[str] = ()) -> str:
+    """``cfg`` as YAML; the ``leave_out`` sections are named in a first comment line instead."""
+    data = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in leave_out}
+    head = f"# not read by this run, left out: {', '.join(leave_out)}\n" if leave_out else ""
+    return head + yaml.safe_dump(data, sort_keys=False)
 
 
 def read_utf8(path: Path, error: type[Exception]) -> str:
@@ -129,7 +133,7 @@ def _anchor_reward_files(data: dict[str, Any], folder: Path) -> None:
         reward["by_source"] = {source: anchored(ref) for source, ref in reward["by_source"].items()}
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. rollout.group_size=8")
@@ -140,7 +144,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
     for i, part in enumerate(parts[:-1]):

@@ -44,24 +44,41 @@ _PREFIX = "step_"
 _NAME = re.compile(r"step_(\d{6})")
 _TMP = ".tmp-"
 _REJECTED = ".rejected"
-RESUMABLE_FIELDS = frozenset(
-    {
-        "steps",
-        "resume",
-        "max_minutes",
-        "progress",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "eval_every",
-        "trace",
-        "trace_max_events",
-        "ray_address",
-        "failure_budget",
-        "failure_window",
-        "stall_timeout_s",
-    }
+RUN_CONTROL = (
+    "run.steps",
+    "run.resume",
+    "run.max_minutes",
+    "run.progress",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.trace",
+    "run.trace_max_events",
+    "run.ray_address",
+    "run.failure_budget",
+    "run.failure_window",
+    "run.stall_timeout_s",
 )
-"""``run.*`` fields a resumed run may change (they steer the run, not its computation)."""
+RESUMABLE: dict[str, tuple[str, ...]] = {
+    "learning rate and schedule": ("trainer.lr", "trainer.lr_schedule", "trainer.lr_warmup_steps"),
+    "evaluation": ("eval.*", "run.eval_every"),
+    "tracking": ("tracking.*",),
+    "run control": RUN_CONTROL,
+}
+"""What a resumed run may change, by kind (``section.*``: every key of the section): they steer
+the run, what it reports, or the rate its optimizer steps at from the checkpoint on (the train
+engine applies the new ``lr`` and schedule at the checkpoint's update count). Anything else
+would make the continuation a different run than the checkpoint's, so it is refused."""
+
+
+def may_change_on_resume(key: str) -> bool:
+    """Whether the dotted config ``key`` is one a resume may change (``RESUMABLE``)."""
+    return any(key == name or (name.endswith(".*") and key.startswith(name[:-1])) for names in RESUMABLE.values()
+               for name in names)  # fmt: skip
+
+
+def resumable_text() -> str:
+    """``RESUMABLE`` in one line, for the refusal's message."""
+    return "; ".join(f"{kind} ({', '.join(names)})" for kind, names in RESUMABLE.items())
 
 
 class CheckpointError(ConfigError):
@@ -323,11 +340,10 @@ def read_driver_state(folder: Path, classes: Mapping[str, type] | None = None) -
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted names of config fields that differ, except the ``RESUMABLE_FIELDS`` of ``run``."""
+    """Dotted names of config fields that differ, except those a resume may change (``RESUMABLE``)."""
     flat_saved, flat_current = _flatten(saved), _flatten(current)
     keys = sorted(set(flat_saved) | set(flat_current))
-    allowed = {f"run.{name}" for name in RESUMABLE_FIELDS}
-    return [k for k in keys if k not in allowed and flat_saved.get(k) != flat_current.get(k)]
+    return [k for k in keys if not may_change_on_resume(k) and flat_saved.get(k) != flat_current.get(k)]
 
 
 def log_sizes(paths: dict[str, Path]) -> dict[str, int]:

@@ -34,6 +34,7 @@ from sluice.controller.checkpoint import (
     log_sizes,
     open_run,
     read_manifest,
+    resumable_text,
     set_aside,
     truncate_log,
     verify_checkpoint,
@@ -91,7 +92,10 @@ def open_checkpoints(config: SluiceConfig, run_dir: Path) -> tuple[CheckpointSto
     path, state, rejected = _first_usable(candidates, explicit=config.run.resume != "auto")
     changed = config_changes(state.config, config.model_dump(mode="json"))
     if changed:
-        raise CheckpointError(f"run.resume: {path} was written with a different config: {', '.join(changed)}")
+        raise CheckpointError(
+            f"run.resume: {path} was written with a different config: {', '.join(changed)} changed; "
+            f"a resume may change only {resumable_text()}; start a new run.name for the rest"
+        )
     files = data_changes(read_manifest(path)["data"], data)
     if files:
         raise CheckpointError(

@@ -206,6 +206,8 @@ class HFTrainEngine:
             self._totals["loss"] += float(out.loss.detach())
             for key, value in out.stats.items():
                 self._totals[key] += value
+            if "entropy_sum" not in out.stats and inputs.entropy is not None:  # logged without an entropy term
+                self._totals["entropy_sum"] += float(inputs.entropy[inputs.mask.bool()].sum())
         self._totals["micro_batches"] += 1.0
         self._totals["samples"] += float(len(mb.samples))
 
@@ -316,8 +318,22 @@ class HFTrainEngine:
         if not self.lockstep:
             state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location=self.device, weights_only=True)
             self.optimizer.load_state_dict(state)
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
+        self._restore_schedule(path)
+
+    def _restore_schedule(self, path: str) -> None:
+        """This engine's ``lr`` and schedule over the restored optimizer, at the checkpoint's
+        update count: a resume may change both (``controller/checkpoint.RESUMABLE``), and the
+        optimizer's and the scheduler's saved state hold the old rate."""
+        file = os.path.join(path, SCHEDULER_FILE)
+        if os.path.isfile(file):
+            done = int(torch.load(file, weights_only=True)["last_epoch"])
+        else:  # written without a schedule: AdamW counts its updates per parameter
+            done = max((int(s["step"]) for s in self.optimizer.state.values() if "step" in s), default=0)
+        lr = float(self._optimizer_args["lr"])  # type: ignore[arg-type]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = group["lr"] = lr
+        if self._lr_schedule is not None:
+            self.scheduler = self._lr_schedule.build(self.optimizer, done)
 
     def plan_forwards(self, samples: Sequence[Sample], budget: int) -> list[list[list[int]]]:
         """Forward chunks → rows → sample indices, in the engine's layout."""
@@ -336,7 +352,7 @@ class HFTrainEngine:
         reference log-probs, ``entropy`` on request)."""
         order = [i for row in rows for i in row]
         batch = self._to_device(self.forward_inputs([[mb.samples[i] for i in row] for row in rows]))
-        logp, entropy = self._response_logprobs(batch, self.temperature, with_entropy)
+        logp, entropy = self._response_logprobs(batch, self.temperature, "loss" if with_entropy else "metric")
         advantages = flatten_rows([mb.advantages[i] for i in order], self.device)
         prox_logp = flatten_rows([mb.prox_logprobs[i] for i in order], self.device)
         if not advantages.shape == prox_logp.shape == logp.shape:
@@ -357,10 +373,11 @@ class HFTrainEngine:
         )
 
     def _response_logprobs(
-        self, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+        self, batch: dict[str, torch.Tensor], temperature: float, entropy_for: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[N]`` log-probs of the response tokens under ``log_softmax(logits / T)``, and their
-        distributions' ``[N]`` entropies when ``with_entropy``."""
+        distributions' ``[N]`` entropies: with a graph for the loss's term (``entropy_for="loss"``),
+        detached for the ``entropy`` metric only (``"metric"``), or none (``None``)."""
         logits = self.model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
@@ -372,7 +389,12 @@ class HFTrainEngine:
         if temperature > 0:
             picked = picked / temperature
         logp = torch.log_softmax(picked, dim=-1)
-        entropy = token_entropy(logp) if with_entropy else None
+        entropy = None
+        if entropy_for == "loss":
+            entropy = token_entropy(logp)
+        elif entropy_for == "metric":  # no graph, from the log-probs already here
+            with torch.no_grad():
+                entropy = token_entropy(logp.detach())
         return logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1), entropy
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

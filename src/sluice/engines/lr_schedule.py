@@ -31,8 +31,10 @@ class LrSchedule:
         if not 0 <= self.warmup_updates <= self.total_updates:
             raise ValueError(f"warmup ({self.warmup_updates}) must be within 0..{self.total_updates} updates")
 
-    def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
+    def build(self, optimizer: torch.optim.Optimizer, done: int = 0) -> torch.optim.lr_scheduler.LRScheduler:
+        """The scheduler of ``optimizer`` with ``done`` updates behind it (a resumed run's: its
+        param groups carry ``initial_lr``), its rate set for the next."""
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor, last_epoch=done - 1)
 
     def factor(self, update: int) -> float:
         """The rate of 0-based ``update`` as a fraction of ``trainer.lr``: ``(k + 1) / W`` while

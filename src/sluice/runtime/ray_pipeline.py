@@ -9,6 +9,7 @@ when.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -368,16 +369,19 @@ def _runtime(threads: int, oversubscribed: bool) -> dict[str, Any]:
 
 def ensure_ray(address: str | None) -> None:
     """Join ``address``, or start one local Ray instance sized for this machine (once per process).
-    A SIGTERM handler installed before (the run's, ``runtime/preemption.py``), which ``ray.init``
-    replaces with its own, is put back."""
+    Ray's own driver log records propagate to the process's handlers instead of Ray's stderr
+    handler (``telemetry/console.py`` puts them in the run's log). A SIGTERM handler installed
+    before (the run's, ``runtime/preemption.py``), which ``ray.init`` replaces with its own, is
+    put back."""
     import ray
 
     if ray.is_initialized():
         return
     main = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main else None
+    logging.getLogger("ray").propagate = True  # Ray's driver records go where the process's go
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, configure_logging=False)  # `sluice train`: run.log
     else:
         ray.init(
             address="local",
@@ -385,6 +389,7 @@ def ensure_ray(address: str | None) -> None:
             include_dashboard=False,
             object_store_memory=512 * 1024**2,
             log_to_driver=False,
+            configure_logging=False,
         )
     if callable(sigterm):  # a handler of this process's own (not the default): it stays in charge
         signal.signal(signal.SIGTERM, sigterm)

@@ -48,7 +48,9 @@ def summarize_samples(samples: Sequence[Sample], count: int) -> list[SampleSumma
 
 def sample_rows(step: int, summaries: Sequence[SampleSummary], tokenizer: TokenDecoder) -> list[dict[str, Any]]:
     """The records of ``samples.jsonl``: text, reward, version and staleness (the version the step
-    trained, ``step - 1``, minus the sample's; the convention of the train records)."""
+    trained, ``step - 1``, minus the sample's; the convention of the train records). The prompt
+    keeps its special tokens (the chat template's role markers and BOS are what the model saw);
+    the response drops them (its closing EOS says nothing)."""
     return [
         {
             "step": step,
@@ -57,7 +59,7 @@ def sample_rows(step: int, summaries: Sequence[SampleSummary], tokenizer: TokenD
             "version": s.version,
             "staleness": step - 1 - s.version,
             "reward": s.reward,
-            "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+            "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False),
             "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
         }
         for s in summaries

@@ -124,7 +124,7 @@ def off_policy_metrics(stats: dict[str, float]) -> dict[str, float]:
     fractions of tokens whose ratio lies outside the clip range against the proximal policy
     (``clip_outside_prox``) and against the behaviour policy (``clip_outside_behav``); verl's
     ``pg_clipfrac`` as ``clip_ratio`` (tokens whose gradient the clip removed) and, with an entropy
-    term, the mean token entropy (``entropy``)."""
+    term or not, the mean token entropy (``entropy``)."""
     tokens = stats.get("tokens", 0.0)
     if tokens <= 0 or "behav_weight_sq_sum" not in stats:
         return {}
