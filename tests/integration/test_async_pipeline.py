@@ -77,6 +77,22 @@ def test_eta1_weight_update_modes_keep_the_bound(model_dir, tmp_path, mode):
     assert sum(v for k, v in fates.items() if k.startswith("staleness_")) == 12
 
 
+def test_a_fractional_eta_runs_half_a_batch_ahead_within_one_version(model_dir, tmp_path):
+    """``rollout.max_staleness: 0.5`` (ROLL Flash's asynchrony ratio) through ``sluice train``:
+    the run admits up to two of B = 4 groups ahead (``test_schedule_equivalence.py`` checks the
+    quota), trains every step whole, and no trained group is more than ⌈0.5⌉ = 1 version old."""
+    records, _ = _run(
+        model_dir, tmp_path, "eta-half", "run.mode=async", "run.backend=local", "rollout.max_staleness=0.5",
+    )  # fmt: skip
+    trains = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == [1, 2, 3] and all(r["staleness_max"] <= 1 for r in trains)
+    fates = next(r for r in records if r["kind"] == "fates")
+    assert fates["groups_trained"] == 12
+    assert sum(v for k, v in fates.items() if k.startswith("staleness_")) == 12
+    weights = next(r for r in records if r["kind"] == "weights")
+    assert weights["engine_checksum"] == weights["trainer_checksum"]
+
+
 def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_path):
     from fakes import short_only_reward
 

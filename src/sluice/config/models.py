@@ -44,10 +44,12 @@ class RolloutConfig(_Section):
     max_batch: int = Field(default=512, ge=1)
     """Engine slots: sequences decoded together; a finished one frees its slot for a waiting one."""
 
-    max_staleness: int = Field(default=1, ge=0)
-    """η, the staleness bound of ``run.mode: async``: no trained sample is more than η policy
-    versions older than the policy being trained. 0 computes what ``sync`` computes while still
-    streaming; 1 is AsyncFlow's one-step delayed update. ``run.mode: sync`` fixes it at 0."""
+    max_staleness: float = Field(default=1, ge=0)
+    """η, the staleness bound of ``run.mode: async``: at most ``⌊(v + η + 1) · B⌋`` groups are
+    admitted while the trainer holds version ``v``, and no trained sample is more than ``⌈η⌉``
+    policy versions older than the policy being trained. 0 computes what ``sync`` computes while
+    still streaming; 1 is AsyncFlow's one-step delayed update; a fraction is ROLL Flash's
+    asynchrony ratio (0.5: half a batch generated ahead). ``run.mode: sync`` fixes it at 0."""
 
     forced_lag: bool = False
     """Hold the trainer exactly η steps behind generation: an engine loads a new policy version
@@ -82,6 +84,11 @@ class RolloutConfig(_Section):
     def _reprefill_engine(self) -> RolloutConfig:
         if not self.reprefill and self.engine != "hf":
             raise ValueError(f"rollout.reprefill: false needs rollout.engine: hf (got {self.engine!r})")
+        if self.forced_lag and self.max_staleness != int(self.max_staleness):
+            raise ValueError(
+                f"rollout.forced_lag holds the trainer a whole number of steps behind: rollout.max_staleness "
+                f"must be a whole number with it (got {self.max_staleness})"
+            )
         return self
 
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -62,10 +62,9 @@ class StepGate:
     def _open_step(self) -> int | None:
         """The lowest step with a free slot that the staleness bound lets start now."""
         for step in range(self.trained_steps, self.steps):
-            if not self.gate.may_open(step, self.version):
-                return None
-            if len(self.filled[step]) + self.pending[step] < self.groups_per_step:
-                return step
+            used = len(self.filled[step]) + self.pending[step]
+            if used < self.groups_per_step:
+                return step if self.gate.may_open(step, used, self.version) else None
         return None
 
     def acquire(self, n: int, timeout: float | None = None) -> list[Credit]:
