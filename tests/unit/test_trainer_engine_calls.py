@@ -105,3 +105,44 @@ def test_recomputed_proximal_logprobs_come_from_the_step_start_weights() -> None
     assert proximal_logprobs(FakeTrainEngine(), samples, ONE_UPDATE, 1.0) == [
         [-1.0] * len(s.response_ids) for s in samples
     ]
+
+
+def test_a_held_step_packs_each_update_into_the_fewest_micro_batches() -> None:
+    """Two PPO epochs hold the step (AReaL's dynamic allocation): tokens 5, 4, 9, 2, 6 under a
+    budget of 15 take three passes cut in order, (s0, s1) | (s2, s3) | (s4), and two packed
+    longest first, (s2, s4) | (s0, s1, s3). Which samples share a pass changes, the update not."""
+    samples, algorithm = _samples(), FakeAlgorithm()
+    held = UpdateSchedule(mini_batches=1, epochs=2)
+    engine = FakeTrainEngine()
+    train_global_batch(engine, samples, algorithm, 15, held, temperature=1.0)
+    passes = [call[1] for call in engine.calls if call[0] == "accumulate"]
+    assert passes == [("s2", "s4"), ("s0", "s1", "s3")] * 2
+    in_order = FakeTrainEngine()
+    prox = proximal_logprobs(in_order, samples, held, 1.0)
+    run_updates(in_order, samples, algorithm.advantages(samples), prox, algorithm, 15, held)
+    assert len([c for c in in_order.calls if c[0] == "accumulate"]) == 6
+    assert engine.w == pytest.approx(in_order.w)
+
+
+def test_a_streamable_step_keeps_its_arrival_cuts_when_held() -> None:
+    """One update with per-group advantages could stream: ``train_global_batch`` cuts it in
+    arrival order, so it equals the streamed step call for call (``test_streamed_packing...``)."""
+    engine = FakeTrainEngine()
+    train_global_batch(engine, _samples(), FakeAlgorithm(), 15, ONE_UPDATE, temperature=1.0)
+    assert [c[1] for c in engine.calls if c[0] == "accumulate"] == [("s0", "s1"), ("s2", "s3"), ("s4",)]
+
+
+def test_balanced_packing_keeps_every_sample_once_under_the_budget() -> None:
+    from sluice.trainer.step import pack_balanced
+
+    samples = [_sample(i, 1 + i % 3, (1,) * (1 + (7 * i) % 9), 1.0) for i in range(40)]
+    budget = 16
+    packed = pack_balanced(samples, [[0.0] * len(s.response_ids) for s in samples], [[]] * 40, budget)
+    uids = [s.uid for mb in packed for s in mb.samples]
+    assert sorted(uids) == sorted(s.uid for s in samples) and len(uids) == 40
+    assert all(mb.num_tokens <= budget for mb in packed)
+    lower_bound = -(-sum(s.num_tokens for s in samples) // budget)
+    assert len(packed) <= lower_bound + 1  # first-fit decreasing: within a pass of the optimum here
+    packer = InOrderPacker(budget)
+    in_order = packer.add(samples, [[0.0] * len(s.response_ids) for s in samples]) + packer.flush()
+    assert len(packed) < len(in_order)

@@ -113,15 +113,17 @@ def gae_advantages(ctx: NodeContext, rows: Batch) -> dict[str, list[Any]]:
 
 def actor_update(ctx: NodeContext, rows: Batch) -> dict[str, list[Any]]:
     """One training step of the policy: proximal log-probs, then every update of the schedule."""
-    from sluice.trainer.updates import merge_update_metrics, proximal_logprobs, run_updates
+    from sluice.trainer.updates import merge_update_metrics, proximal_logprobs, run_updates, streamable
 
     models = _models(ctx, "actor")
     samples = rows_to_samples(rows)
     prox = proximal_logprobs(models.actor, samples, models.schedule, models.temperature)
     advantages = _ordered(rows, "advantages")
+    balanced = not streamable(models.schedule, models.algorithm, critic=models.critic is not None)
     updates = run_updates(
-        models.actor, samples, advantages, prox, models.algorithm, models.micro_batch_tokens, models.schedule
-    )
+        models.actor, samples, advantages, prox, models.algorithm, models.micro_batch_tokens, models.schedule,
+        balanced=balanced,
+    )  # fmt: skip
     ctx.metrics.update(merge_update_metrics(updates))
     return {}
 

@@ -8,8 +8,9 @@ samples), so the advantages, the whitening and each mini-batch's normaliser span
 the rank trains its own samples and the engine sums the gradients.
 
 ``RLStep`` is how a trainer rank receives a step: samples arrive in step order, group by group.
-It holds them and runs ``train_global_batch`` when the step finishes — unless the step can
-stream (one update, advantages per group, no critic, no collective forwards), in which case each
+It holds them and runs ``train_global_batch`` when the step finishes (packing each update into the
+fewest micro-batches) — unless the step can stream (one update, advantages per group, no critic,
+no collective forwards), in which case each
 micro-batch is accumulated as soon as it is complete and the step's normaliser is applied at the
 end: the same floating-point operations in the same order, so both paths give the same bits
 (``trainer/step.py``). The streamed step is the fast path of ``train_global_batch``, not a second
@@ -39,6 +40,7 @@ from sluice.trainer.updates import (
     mini_batch_ranges,
     proximal_logprobs,
     run_updates,
+    streamable,
 )
 
 
@@ -75,8 +77,9 @@ def train_global_batch(
     prox = proximal_logprobs(engine, samples, schedule, temperature)
     plan = mini_batch_plan(share.samples, algorithm, schedule.mini_batches, share.mine)
     advantages = [everyone[i] for i in share.mine]
+    balanced = not streamable(schedule, algorithm, critic is not None)
     metrics = merge_update_metrics(
-        run_updates(engine, samples, advantages, prox, algorithm, micro_batch_tokens, schedule, plan)
+        run_updates(engine, samples, advantages, prox, algorithm, micro_batch_tokens, schedule, plan, balanced)
     )
     if critic is not None:
         whole = mini_batch_ranges(len(share.samples), schedule.mini_batches)  # the cuts of ``plan``
@@ -109,7 +112,7 @@ class RLStep:
         self.engine, self.algorithm, self.schedule = engine, algorithm, schedule
         self.micro_batch_tokens, self.temperature, self.tracer = micro_batch_tokens, temperature, tracer
         self.critic, self.dp = critic, dp
-        self.streams = schedule.streams and not algorithm.whole_batch_advantages and critic is None and not hold
+        self.streams = streamable(schedule, algorithm, critic is not None) and not hold
         """Micro-batches run as they complete; else the step is held for ``train_global_batch``
         (whole-batch advantages, several updates, a critic, or ``hold``: e.g. ``fsdp2``, whose
         forwards are collectives the ranks must run together)."""

@@ -1,9 +1,11 @@
 """Plan and run one training step: advantages, in-order token-budgeted micro-batches, and one
 optimizer step over their summed gradients scaled by the step-wide normaliser.
 
-Micro-batches are cut in the samples' arrival order (``InOrderPacker``: a micro-batch closes
-when the next sample would overflow the token budget, so every cut depends only on samples
-already seen) and summed with normaliser 1; the gradient is scaled by ``1 / normaliser`` (the
+A streaming step's micro-batches are cut in the samples' arrival order (``InOrderPacker``: a
+micro-batch closes when the next sample would overflow the token budget, so every cut depends
+only on samples already seen); a held step, whose samples are all here, is packed into the
+fewest micro-batches under the budget (``pack_balanced``). Micro-batches are summed with
+normaliser 1; the gradient is scaled by ``1 / normaliser`` (the
 step's loss tokens, or sequences for the seq-mean aggregation modes) at the end, once the
 step's size is known. A streaming trainer fed the same
 samples in the same order performs exactly the same floating-point operations as a
@@ -67,6 +69,41 @@ class InOrderPacker:
         )
         self._open, self._tokens = [], 0
         return mb
+
+
+def pack_balanced(
+    samples: Sequence[Sample],
+    advantages: Sequence[Sequence[float]],
+    prox_logprobs: Sequence[Sequence[float]],
+    budget: int,
+) -> list[MicroBatch]:
+    """A held step's micro-batches: the fewest passes under ``budget`` tokens (AReaL's dynamic
+    allocation, first-fit decreasing: the longest sample first, each into the first micro-batch
+    it fits), each micro-batch's samples in their given order; a sample over the budget gets a
+    micro-batch of its own. Only for samples that are all here: a streaming step cuts in arrival
+    order (``InOrderPacker``), so its cuts never wait for samples still to come."""
+    if budget <= 0:
+        raise ValueError(f"micro-batch token budget must be > 0, got {budget}")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda k: (-samples[k].num_tokens, k)):
+        size = samples[i].num_tokens
+        slot = next((b for b, load in enumerate(loads) if load + size <= budget), None)
+        if slot is None:
+            bins.append([i])
+            loads.append(size)
+        else:
+            bins[slot].append(i)
+            loads[slot] += size
+    return [
+        MicroBatch(
+            samples=tuple(samples[i] for i in sorted(members)),
+            advantages=tuple(tuple(advantages[i]) for i in sorted(members)),
+            prox_logprobs=tuple(tuple(prox_logprobs[i]) for i in sorted(members)),
+            normaliser=1.0,
+        )
+        for members in bins
+    ]
 
 
 def plan_step(

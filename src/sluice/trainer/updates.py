@@ -3,10 +3,13 @@
 A training step consumes one global batch and advances the policy version once (DESIGN.md), but
 may take several optimizer updates: the batch is cut into ``mini_batches`` contiguous parts of
 nearly equal size (in arrival order), each one optimizer update with its own normaliser, and the
-whole pass is repeated ``epochs`` times. The proximal log-probs are those of the policy at the
-start of the step, recomputed once when the step's global batch has arrived (decoupled PPO,
-AReaL eq. 5), so from the second update on the current policy genuinely moves away from them
-and the clip acts as a trust region around the step's start. With ``recompute_prox`` off the
+whole pass is repeated ``epochs`` times. A step that must be held (several updates, whole-batch
+advantages, a critic) has all its samples here, so each update's are packed into the fewest
+micro-batches under the token budget (``trainer/step.py``: ``pack_balanced``); a step that could
+stream keeps the arrival-order cuts (``streamable``). The proximal log-probs are those of the
+policy at the start of the step, recomputed once when the step's global batch has arrived
+(decoupled PPO, AReaL eq. 5), so from the second update on the current policy genuinely moves
+away from them and the clip acts as a trust region around the step's start. With ``recompute_prox`` off the
 proximal policy is the behaviour policy (standard PPO).
 
 The default schedule (one mini-batch, one epoch) is a single update that a streaming trainer
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.api import Algorithm, Sample, TrainEngine
-from sluice.trainer.step import InOrderPacker, run_step
+from sluice.trainer.step import InOrderPacker, pack_balanced, run_step
 
 MEAN_METRICS = frozenset({"loss", "grad_norm", "lr", "logprob_gap_mean", "logprob_gap_max"})
 """Per-update metrics averaged over a step's updates; every other metric is a sum."""
@@ -53,6 +56,13 @@ class UpdateSchedule:
 
 ONE_UPDATE = UpdateSchedule()
 """The default: one streaming update per step, proximal = behaviour policy."""
+
+
+def streamable(schedule: UpdateSchedule, algorithm: Algorithm, critic: bool) -> bool:
+    """Whether a step could be trained as its groups arrive: one update, advantages per group, no
+    critic. Such a step is cut in arrival order even when held (its cuts then equal the streamed
+    step's, bit for bit); every other step is held and packed into the fewest micro-batches."""
+    return schedule.streams and not algorithm.whole_batch_advantages and not critic
 
 
 def mini_batch_ranges(num_samples: int, mini_batches: int) -> list[range]:
@@ -113,20 +123,25 @@ def run_updates(
     micro_batch_tokens: int,
     schedule: UpdateSchedule,
     plan: Sequence[MiniBatchPart] | None = None,
+    balanced: bool = False,
 ) -> list[dict[str, float]]:
     """Every optimizer update of one step, epoch by epoch, mini-batch by mini-batch; returns each
     update's metrics. ``prox_logprobs`` stay fixed for the whole step. ``plan`` (data
     parallelism: ``mini_batch_plan`` over every rank's samples) says which of ``samples`` each
-    mini-batch holds and its normaliser; by default ``samples`` are the whole step."""
+    mini-batch holds and its normaliser; by default ``samples`` are the whole step. ``balanced``:
+    each update's samples in the fewest micro-batches (``pack_balanced``), else cut in order."""
     if plan is None:
         plan = mini_batch_plan(samples, algorithm, schedule.mini_batches)
     results = []
     for _ in range(schedule.epochs):
         for part in plan:
-            packer = InOrderPacker(micro_batch_tokens)
             sub = [samples[i] for i in part.mine]
-            planned = packer.add(sub, [advantages[i] for i in part.mine], [prox_logprobs[i] for i in part.mine])
-            planned += packer.flush()
+            advantages_, prox_ = [advantages[i] for i in part.mine], [prox_logprobs[i] for i in part.mine]
+            if balanced:
+                planned = pack_balanced(sub, advantages_, prox_, micro_batch_tokens)
+            else:
+                packer = InOrderPacker(micro_batch_tokens)
+                planned = packer.add(sub, advantages_, prox_) + packer.flush()
             results.append(run_step(engine, planned, algorithm, part.normaliser))
     return results
 
