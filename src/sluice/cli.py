@@ -93,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="run training")
-    train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
+    train.add_argument(
+        "args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]",
+        help="config files merged in order (a later file's keys win), then the overrides",
+    )  # fmt: skip
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
     ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
@@ -149,19 +152,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
-    path = None
+def _split_args(items: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Config files (merged in order: ``my_run.yaml plan.yaml``) and ``key=value`` overrides."""
+    paths = []
     overrides = []
     for item in items:
         if item.startswith("resume="):  # `sluice train CONFIG resume=auto`: short for run.resume
             overrides.append(f"run.{item}")
         elif "=" in item:
             overrides.append(item)
-        elif path is None:
-            path = item
         else:
-            raise ConfigError(f"unexpected argument {item!r}: give one config file and key=value overrides")
-    return path, overrides
+            paths.append(item)
+    return paths, overrides
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -35,3 +35,47 @@ def test_plan_finds_the_brute_force_optimum(objective):
 def test_plan_refuses_a_cluster_that_cannot_hold_the_model():
     with pytest.raises(ValueError, match="fits"):
         plan(Workload(MODELS["qwen2.5-32b"]), Cluster(DEVICES["910B"], 2, replica_sizes=(1,)))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_written_plan_is_config_that_train_takes(model, tmp_path, capsys):
+    """``sluice plan --out plan.yaml`` for every model preset: ``sluice train my_run.yaml
+    plan.yaml`` reads it, the split it printed first is the one it wrote, and the run's own
+    keys stay where the plan has none."""
+    import yaml
+
+    from sluice.cli import main
+    from sluice.config import load_config
+
+    device, devices = ("cpu", 2) if model == "tiny" else ("H100", 8)
+    out = tmp_path / "plan.yaml"
+    args = ["plan", "--model", model, "--device", device, "--devices", str(devices), "--batch", "8",
+            "--group-size", "4", "--max-new-tokens", "512", "--median-len", "100", "--steps", "2",
+            "--replica-sizes", "1,2,4", "--micro-batch-tokens", "1024", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    best = capsys.readouterr().out.splitlines()[2].split()  # '# rollout replicas train micro-batch ...' row 1
+    replicas, per_replica = (int(x) for x in best[2].split("x"))
+    mine = tmp_path / "my_run.yaml"
+    mine.write_text("run:\n  steps: 2\n  name: mine\nrollout:\n  temperature: 0.7\n  group_size: 2\n")
+    cfg = load_config([mine, out], ["run.steps=3"])
+    assert cfg.run.steps == 3 and cfg.run.name == "mine" and cfg.rollout.temperature == 0.7
+    assert cfg.rollout.group_size == 4 and cfg.rollout.prompts_per_step == 8  # the plan's, over the run's
+    assert cfg.resources.rollout.replicas == replicas and cfg.resources.trainer.ranks == int(best[3])
+    assert cfg.trainer.micro_batch_tokens == int(best[4]) == 1024
+    if device == "cpu":
+        assert cfg.resources.rollout.threads == per_replica and cfg.resources.rollout.gpus is None
+    else:
+        assert cfg.resources.rollout.gpus == per_replica and cfg.resources.placement == "disaggregated"
+        assert cfg.vllm.tensor_parallel_size == per_replica
+    assert yaml.safe_load(out.read_text())["rollout"]["max_staleness"] == 1
+
+
+def test_config_files_merge_section_by_section_in_order(tmp_path):
+    from sluice.config.loading import merge_layers
+
+    base = {"run": {"steps": 2, "name": "a"}, "rollout": {"group_size": 4}, "data": {"train": ["x.jsonl"]}}
+    layer = {"run": {"steps": 5}, "data": {"train": ["y.jsonl"]}}
+    assert merge_layers(base, layer) == {
+        "run": {"steps": 5, "name": "a"}, "rollout": {"group_size": 4}, "data": {"train": ["y.jsonl"]},
+    }  # fmt: skip
+    assert base["run"] == {"steps": 2, "name": "a"}  # the layers themselves are left as they were

@@ -22,18 +22,34 @@ class ConfigError(ValueError):
     """A configuration problem, with a message that names the field."""
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SluiceConfig:
-    """Read ``path`` (YAML, optional), apply ``a.b=value`` overrides, validate."""
+def load_config(
+    path: str | Path | Sequence[str | Path] | None = None, overrides: list[str] | None = None
+) -> SluiceConfig:
+    """Read ``path`` (YAML, optional; several files are merged in order, a later file's keys over
+    an earlier one's, section by section), apply ``a.b=value`` overrides, validate."""
     data: dict[str, Any] = {}
-    if path is not None:
-        data = _read_yaml(Path(path))
-        _anchor_reward_files(data, Path(path).parent)
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
+    for one in paths:
+        layer = _read_yaml(Path(one))
+        _anchor_reward_files(layer, Path(one).parent)
+        data = merge_layers(data, layer)
     for item in overrides or []:
         key, value = parse_override(item)
         refuse_moved(key)
         set_dotted(data, key, value)
     _anchor_reward_files(data, Path.cwd())  # an override's file: Ray workers run in other directories
     return validate_config(data)
+
+
+def merge_layers(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """``layer`` over ``base``: mappings merge key by key, anything else (numbers, lists) is replaced."""
+    merged = dict(base)
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_layers(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 MOVED = {

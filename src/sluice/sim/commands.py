@@ -3,6 +3,7 @@ the pipeline simulator (the work is ``sim.planner.plan`` and ``sim.simulate.simu
 
     sluice plan --model qwen2.5-7b --device H100 --devices 16 --batch 64 --eta 1 --top 5
     sluice plan --model qwen2.5-7b --device H20 --train-device H800 --devices 16 --objective cost
+    sluice plan --model qwen2.5-7b --device H100 --devices 16 --out plan.yaml  # sluice train my_run.yaml plan.yaml
     sluice simulate --model qwen2.5-7b --device H100 --rollout-devices 8 --replica-devices 2 \\
         --train-devices 8 --mode async --eta 2 --trace sim.json --gantt sim.png
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from sluice.config import ConfigError
 from sluice.sim.cost_model import DEVICES, MODELS
 from sluice.sim.engine import LengthModel
-from sluice.sim.planner import Candidate, Cluster, Plan, Workload, cost_per_hour, plan, sim_config
+from sluice.sim.planner import Candidate, Cluster, Plan, Workload, cost_per_hour, plan, run_keys, sim_config
 from sluice.sim.simulate import MODES, SimResult, simulate
 
 
@@ -29,6 +31,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--replica-sizes", default="1,2,4,8", help="devices per rollout replica to try")
     p.add_argument("--micro-batch-tokens", default="4096,16384,65536", help="trainer micro-batch budgets to try")
     p.add_argument("--top", type=int, default=5)
+    p.add_argument(
+        "--out", metavar="PLAN.yaml",
+        help="write the best split as sluice train keys (sluice train my_run.yaml PLAN.yaml runs it)",
+    )  # fmt: skip
     p.set_defaults(func=_plan)
     s = sub.add_parser("simulate", help="simulate one pipeline configuration (step time, bubbles, Gantt)")
     _workload_args(s)
@@ -92,11 +98,35 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as err:  # nothing fits: a user error, one line
         raise ConfigError(f"plan: {err}") from err
     print(format_plan(result, args.top))
+    if args.out:
+        print(f"wrote {write_plan(args.out, _workload(args), cluster, result, args)}")
     if args.json:
         rows = [{**_row(r.candidate, r.result), "cost_per_hour": r.cost_per_hour,
                  "samples_per_dollar": r.samples_per_dollar} for r in result.ranked]  # fmt: skip
         _write(args.json, {"args": vars(args), "enumerated": result.enumerated, "ranked": rows})
     return 0
+
+
+def write_plan(path: str, workload: Workload, cluster: Cluster, result: Plan, args: argparse.Namespace) -> Path:
+    """The best candidate as a config file of ``sluice train`` keys, with what it was chosen for."""
+    import yaml
+
+    best = result.ranked[0]
+    command = " ".join(["sluice plan", *(f"--{k.replace('_', '-')} {v}" for k, v in _given(args).items())])
+    head = (
+        f"# written by: {command}\n"
+        f"# the best of {len(result.ranked)} simulated splits ({args.objective}): {best.candidate.label()}\n"
+        f"# simulated step {best.result.step_s:.2f} s, ${best.cost_per_hour:.1f}/h; merge it after the run's own\n"
+        f"# config: sluice train my_run.yaml {Path(path).name}\n"
+    )
+    out = Path(path)
+    out.write_text(head + yaml.safe_dump(run_keys(workload, cluster, best.candidate), sort_keys=False))
+    return out
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The planner's own arguments (not the output paths or the handler)."""
+    return {k: v for k, v in vars(args).items() if k not in ("func", "out", "json", "top") and v is not None}
 
 
 def format_plan(result: Plan, top: int) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Literal
+from typing import Any, Literal
 
 from sluice.sim.cost_model import CostModel, DeviceSpec, Efficiency, ModelShape, trainer_cost
 from sluice.sim.engine import LengthModel
@@ -120,6 +120,47 @@ def candidates(workload: Workload, cluster: Cluster) -> tuple[list[Candidate], l
                     continue
                 ok.append(cand)
     return ok, refused
+
+
+def run_keys(workload: Workload, cluster: Cluster, cand: Candidate) -> dict[str, Any]:
+    """The config keys of ``sluice train`` that run ``cand`` on ``workload`` (a mapping of
+    sections, as a config file holds them): the split (``resources``), the batch and lengths
+    (``rollout``), the micro-batch budget and the sharded ranks (``trainer``), the schedule
+    (``run.mode``). Rollout and training get devices of their own, so placement is disaggregated;
+    on accelerators each replica is a Ray actor on ``replica_devices`` GPUs (vLLM's tensor
+    parallelism over them) and each trainer rank has one; on ``cpu`` a device is a core (torch
+    threads and Ray CPUs)."""
+    rollout: dict[str, Any] = {
+        "prompts_per_step": workload.prompts_per_step,
+        "group_size": workload.group_size,
+        "max_new_tokens": workload.max_new_tokens,
+        "weight_update": workload.weight_update,
+    }
+    if workload.mode == "async":
+        rollout["max_staleness"] = workload.eta
+    trainer: dict[str, Any] = {"micro_batch_tokens": cand.micro_batch_tokens}
+    if cand.train_devices > 1:
+        trainer["strategy"] = "fsdp2"
+    keys: dict[str, Any] = {
+        "run": {"mode": workload.mode},
+        "rollout": rollout,
+        "trainer": trainer,
+        "resources": {"placement": "disaggregated"},
+    }
+    if cluster.rollout_device.name == "cpu":
+        rollout_res: dict[str, Any] = {"replicas": cand.replicas, "threads": cand.replica_devices}
+        if cand.replicas > 1:
+            rollout_res["replica_actors"] = True
+        keys["resources"]["rollout"] = rollout_res
+        keys["resources"]["trainer"] = {"ranks": cand.train_devices, "threads": 1}
+        return keys
+    keys["resources"]["rollout"] = {
+        "replicas": cand.replicas, "replica_actors": True, "gpus": float(cand.replica_devices),
+    }  # fmt: skip
+    keys["resources"]["trainer"] = {"ranks": cand.train_devices, "gpus": 1.0}
+    if cand.replica_devices > 1:
+        keys["vllm"] = {"tensor_parallel_size": cand.replica_devices}
+    return keys
 
 
 def sim_config(workload: Workload, cluster: Cluster, cand: Candidate, steps: int = 5) -> SimConfig:
