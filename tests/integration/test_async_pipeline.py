@@ -93,6 +93,22 @@ def test_a_fractional_eta_runs_half_a_batch_ahead_within_one_version(model_dir, 
     assert weights["engine_checksum"] == weights["trainer_checksum"]
 
 
+@pytest.mark.scale
+def test_two_storage_units_train_what_one_unit_trains(model_dir, tmp_path, ray_cluster):
+    """``queue.storage_units: 2`` (AsyncFlow's distributed storage): 96 rows in blocks of 64, so
+    each unit holds and serves its share, and at η = 0 the Ray run's losses and weights are those
+    of the one-unit run in one process (η = 0 is backend-independent: ``test_golden_losses.py``)."""
+    common = ["run.mode=async", "rollout.max_staleness=0", "rollout.prompts_per_step=8"]
+    one, one_weights = _run(model_dir, tmp_path, "units1", *common, "run.backend=local")
+    two, two_weights = _run(model_dir, tmp_path, "units2", *common, "run.backend=ray", "queue.storage_units=2")
+    assert _train(two, "step", "trained_tokens", "loss") == _train(one, "step", "trained_tokens", "loss")
+    for name, value in one_weights.items():
+        assert torch.equal(two_weights[name], value), name
+    units = next(r for r in two if r["kind"] == "queue")
+    assert (units["unit0_rows_written"], units["unit1_rows_written"]) == (64.0, 32.0)
+    assert units["unit0_bytes_written"] > units["unit1_bytes_written"] > 0 and units["unit1_cpu_s"] > 0
+
+
 def test_zero_signal_groups_are_discarded_counted_and_replaced(model_dir, tmp_path):
     from fakes import short_only_reward
 

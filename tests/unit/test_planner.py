@@ -66,7 +66,7 @@ def test_a_written_plan_is_config_that_train_takes(model, tmp_path, capsys):
         assert cfg.resources.rollout.threads == per_replica and cfg.resources.rollout.gpus is None
     else:
         assert cfg.resources.rollout.gpus == per_replica and cfg.resources.placement == "disaggregated"
-        assert cfg.vllm.tensor_parallel_size == per_replica
+        assert cfg.vllm.tensor_parallel_size == per_replica and cfg.queue.storage_units == 1  # 8 devices: a node
     assert yaml.safe_load(out.read_text())["rollout"]["max_staleness"] == 1
 
 

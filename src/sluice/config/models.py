@@ -235,6 +235,15 @@ class RunConfig(_Section):
     resume=auto`` is short for ``run.resume=auto``."""
 
 
+class QueueConfig(_Section):
+    storage_units: int = Field(default=1, ge=1)
+    """TransferQueue storage units (AsyncFlow §3): each a Ray actor holding its share of the rows
+    (blocks of 64 rows, so a group's rows stay on one unit), written and read directly by the
+    workers; the controllers and readers span them all. More units spread the sample bytes and the
+    queue's CPU over several processes (and nodes); the results are those of one unit.
+    ``sluice plan --out`` writes one per node of its split."""
+
+
 class SluiceConfig(_Section):
     """A whole run."""
 
@@ -260,6 +269,9 @@ class SluiceConfig(_Section):
 
     rollout: RolloutConfig = RolloutConfig()
     """Generation."""
+
+    queue: QueueConfig = QueueConfig()
+    """The TransferQueue between the workers (its storage units)."""
 
     trainer: TrainerConfig = TrainerConfig()
     """Optimisation."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from sluice.queue.client import declare
 from sluice.queue.controller import TaskController
 from sluice.queue.direct import DirectCall, DirectServer, fan_out
 from sluice.queue.lifecycle import ConsumptionLedger
-from sluice.queue.packed import PARTITION_FIELD, MetaRows, array_to_metas, metas_to_array
+from sluice.queue.packed import PARTITION_FIELD, MetaRows, PackedColumn, array_to_metas, metas_to_array
 from sluice.queue.request import ReadRequest, deadline_of, is_done, remaining, select
 from sluice.queue.storage import InMemoryStorageUnit, group_by_columns
 
@@ -127,6 +128,7 @@ class StorageActor:
         self._owned: dict[str, Any] = {}  # controllers this unit started (unit 0 only)
         self._partitions: dict[int, int] = {}
         self._ledger = ConsumptionLedger() if free_consumed else None
+        self._written = [0, 0]  # rows, and the bytes of their packed columns
 
     def create_controller(self, task: str, input_columns: list[str]) -> Any:
         """Start the task's controller once; later calls must name the same columns."""
@@ -201,6 +203,8 @@ class StorageActor:
         """
         columns, _ = shm.from_wire(columns, copy=True)
         with self._lock:
+            self._written[0] += len(indices)
+            self._written[1] += sum(col.nbytes for col in columns.values() if isinstance(col, PackedColumn))
             if part is not None:
                 declare(self._partitions, part)
             wire = self._unit.write(indices, columns, None if meta is None else MetaRows(meta)).array
@@ -256,8 +260,10 @@ class StorageActor:
                 self._ledger.restore(state["ledger"])
 
     def stats(self) -> dict[str, Any]:
+        """What the unit holds now, what it was written in all, and its process's CPU seconds."""
         with self._lock:
-            return self._unit.stats()
+            rows, size = self._written
+            return {**self._unit.stats(), "rows_written": rows, "bytes_written": size, "cpu_s": time.process_time()}
 
 
 _Controller: Any = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_THREADS)(ControllerActor)  # type: ignore[call-overload]

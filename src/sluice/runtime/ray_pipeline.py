@@ -76,7 +76,8 @@ class RayPipeline(_Pipeline):
         plan = plan_placement(spec.config.resources, cluster, others)
         self.placement = RayPlacement(plan)
         # a row is freed once every task read it: a long run's queue holds the rows in flight only
-        self.queue = RayQueue.create(num_storage_units=1, tasks=queue_tasks(spec), free_consumed=True)
+        units = spec.config.queue.storage_units
+        self.queue = RayQueue.create(num_storage_units=units, tasks=queue_tasks(spec), free_consumed=True)
         fleet = spec.config.fleet  # a broadcast group meets on trainer rank 0's node, not the driver's
         meet = self.placement.free_address_on(plan.trainers[0]) if fleet.weight_transfer == "broadcast" else None
         self.weight_sync, self.engine_weight_sync = weight_syncs(
@@ -324,8 +325,14 @@ class RayPipeline(_Pipeline):
         return [(f"'{node.id}' task worker", actor) for node, actor in zip(nodes, self.node_actors, strict=True)]
 
     def end_records(self) -> dict[str, dict[str, float]]:
-        """The sample bytes that passed through the driver (``driver``)."""
-        return {"driver": {"sample_bytes": float(self.driver_sample_bytes)}}
+        """The sample bytes that passed through the driver (``driver``), and each storage unit's
+        written rows and bytes and its process's CPU seconds (``queue``)."""
+        import ray
+
+        units = ray.get([unit.stats.remote() for unit in self.queue.units])
+        keys = ("rows_written", "bytes_written", "cpu_s")
+        queue = {f"unit{k}_{key}": float(u[key]) for k, u in enumerate(units) for key in keys}
+        return {"driver": {"sample_bytes": float(self.driver_sample_bytes)}, "queue": queue}
 
     def explain(self, err: BaseException) -> RunStopped | None:
         """The one line for an actor's death found in ``err``'s causes (``None``: not one)."""

@@ -122,14 +122,18 @@ def candidates(workload: Workload, cluster: Cluster) -> tuple[list[Candidate], l
     return ok, refused
 
 
+DEVICES_PER_NODE = 8
+"""Accelerators per node, for the plan's storage units: one TransferQueue unit per node."""
+
+
 def run_keys(workload: Workload, cluster: Cluster, cand: Candidate) -> dict[str, Any]:
     """The config keys of ``sluice train`` that run ``cand`` on ``workload`` (a mapping of
     sections, as a config file holds them): the split (``resources``), the batch and lengths
     (``rollout``), the micro-batch budget and the sharded ranks (``trainer``), the schedule
     (``run.mode``). Rollout and training get devices of their own, so placement is disaggregated;
     on accelerators each replica is a Ray actor on ``replica_devices`` GPUs (vLLM's tensor
-    parallelism over them) and each trainer rank has one; on ``cpu`` a device is a core (torch
-    threads and Ray CPUs)."""
+    parallelism over them), each trainer rank has one, and the queue has a storage unit per node
+    of ``DEVICES_PER_NODE``; on ``cpu`` a device is a core (torch threads)."""
     rollout: dict[str, Any] = {
         "prompts_per_step": workload.prompts_per_step,
         "group_size": workload.group_size,
@@ -158,6 +162,7 @@ def run_keys(workload: Workload, cluster: Cluster, cand: Candidate) -> dict[str,
         "replicas": cand.replicas, "replica_actors": True, "gpus": float(cand.replica_devices),
     }  # fmt: skip
     keys["resources"]["trainer"] = {"ranks": cand.train_devices, "gpus": 1.0}
+    keys["queue"] = {"storage_units": math.ceil((cand.rollout_devices + cand.train_devices) / DEVICES_PER_NODE)}
     if cand.replica_devices > 1:
         keys["vllm"] = {"tensor_parallel_size": cand.replica_devices}
     return keys
