@@ -264,6 +264,7 @@ _USER_ERRORS = {
     "sluice.dag.spec": "DagError",
     "sluice.data.readers": "DatasetError",
     "sluice.engines.model_folder": "ModelPathError",
+    "sluice.runtime.run_lock": "RunDirBusy",
     "sluice.telemetry.plot": "MetricsFileError",
 }
 """The errors that are a user's input, by defining module. Only modules already imported are asked:
