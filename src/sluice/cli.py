@@ -3,9 +3,9 @@
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2, and a run that stopped itself
-(``RunStopped``: a reward or environment over its failure budget, a worker lost or silent) into
-its one line with exit code 1. A training run stopped by SIGTERM (SIGINT) at a checkpoint says
-so in one line and exits with 143 (130). All work is delegated to
+(``RunStopped``: a reward or environment over its failure budget, a worker lost or silent, a
+write the disk refused) into its one line with exit code 1. A training run stopped by SIGTERM
+(SIGINT) at a checkpoint says so in one line and exits with 143 (130). All work is delegated to
 ``sluice.RLTrainer`` and the evaluator.
 """
 
@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -40,8 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except _run_stops() as err:  # the run stopped itself (e.g. a failure budget): its one line
+    except _run_stops() as err:  # the run stopped itself (e.g. a failure budget, a full disk): its one line
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a write the disk refused outside a run (a model cache, a bench's JSON)
+        fault = _disk_fault(err)
+        if fault is None:
+            raise
+        print(f"error: {fault}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -222,8 +229,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from sluice.telemetry.gantt import render_gantt
     from sluice.telemetry.trace import read_chrome_trace, trace_summary
 
@@ -275,6 +280,12 @@ and transformers, seconds) to say that a config key is wrong would make every su
 def _user_errors() -> tuple[type[Exception], ...]:
     loaded = (getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules)
     return (ConfigError, *loaded)
+
+
+def _disk_fault(err: OSError) -> Exception | None:
+    from sluice.runtime.disk_faults import diagnose
+
+    return diagnose(err, Path.cwd())
 
 
 def _run_stops() -> tuple[type[Exception], ...]:

@@ -29,6 +29,9 @@ from sluice.schedule.ledger import GroupLedger, GroupState
 from sluice.schedule.staleness import StalenessGate
 from sluice.trainer.rng_state import capture_rng
 
+LINE = '{"s": 0000}\n'
+"""A 12-byte record; ``_run_with_checkpoints`` records 12 bytes of log per version."""
+
 
 def _config(tmp_path, *overrides):
     return load_config(None, [f"run.output_dir={tmp_path}", "run.name=r", "run.keep_checkpoints=3", *overrides])
@@ -56,8 +59,8 @@ def config_run_dir(config):
 def _run_with_checkpoints(tmp_path, versions=(2, 4, 6), *overrides):
     config = _config(tmp_path, *overrides)
     store, _, _ = open_checkpoints(config, config_run_dir(config))
-    paths = [_commit(store, config, v, {"trained_ids.jsonl": 10 * v}) for v in versions]
-    (config_run_dir(config) / "trained_ids.jsonl").write_text("x" * 10 * versions[-1] + "y" * 5)
+    paths = [_commit(store, config, v, {"trained_ids.jsonl": len(LINE) * v}) for v in versions]
+    (config_run_dir(config) / "trained_ids.jsonl").write_text(LINE * versions[-1] + "y" * 5)
     return config, store, paths
 
 
@@ -107,7 +110,7 @@ def test_a_truncated_file_falls_back_to_the_previous_checkpoint_and_nothing_is_d
     assert (rejected / "trainer" / "weights.bin").stat().st_size == 100 and (rejected / DRIVER_STATE).is_file()
     lines = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
     assert len(lines) == 1 and "step_000006" in lines[0] and "has 100 bytes" in lines[0]
-    assert log.read_text() == "x" * 40  # cut back to the fallback checkpoint's size
+    assert log.read_text() == LINE * 4  # cut back to the fallback checkpoint's size
     assert [p.name for p in store.complete()] == ["step_000002", "step_000004"]
     _commit(store, config, 6)  # the run goes on: the rejected one stays, and is not counted
     _commit(store, config, 8)
@@ -223,3 +226,27 @@ def test_rng_state_loads_with_torch_weights_only(tmp_path):
     torch.save({"version": 3, "rng": capture_rng()}, tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     assert state["version"] == 3 and state["rng"] == capture_rng()
+
+
+@pytest.mark.parametrize("name", ["trained_ids.jsonl", "metrics.jsonl"])
+def test_a_log_cut_mid_line_loses_that_line_on_resume_and_says_so(tmp_path, caplog, name):
+    """A disk that lost the log's tail: the resume keeps the whole lines, drops the cut one (so the
+    next record is not glued onto it) and says so, naming the file."""
+    config = _config(tmp_path)
+    store, _, _ = open_checkpoints(config, config_run_dir(config))
+    _commit(store, config, 2, {name: len(LINE) * 3})
+    log = config_run_dir(config) / name
+    log.write_text(LINE * 2 + LINE[:5])  # the third line lost its tail
+    with caplog.at_level(logging.WARNING):
+        open_checkpoints(_config(tmp_path, "run.resume=auto"), config_run_dir(config))
+    assert log.read_text() == LINE * 2
+    said = [r.getMessage() for r in caplog.records if "cut mid-line" in r.getMessage()]
+    assert len(said) == 1 and str(log) in said[0] and "dropped (5 bytes)" in said[0]
+    assert "12 bytes less than step_000002" in said[0]
+
+
+def test_drop_cut_line_keeps_whole_lines_and_reaches_back_past_a_block(tmp_path):
+    log = tmp_path / "m.jsonl"
+    for text, kept in [("", ""), (LINE, LINE), (LINE + "x" * 9000, LINE), ("x" * 10, "")]:
+        log.write_text(text)
+        assert checkpoint.drop_cut_line(log) == len(text) - len(kept) and log.read_text() == kept

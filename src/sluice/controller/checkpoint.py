@@ -342,6 +342,26 @@ def truncate_log(path: Path, size: int) -> None:
             f.truncate(size)
 
 
+def drop_cut_line(path: Path) -> int:
+    """A JSONL log whose last line was cut mid-line (no newline at its end: a write that did not
+    finish, a disk that lost the file's tail) loses that line, so appending does not glue the next
+    record onto it; the bytes dropped (0: the file ends with a whole line, is empty or absent)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return 0
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        tail, start = b"", size
+        while start > 0 and b"\n" not in tail:  # back to the last newline, a block at a time
+            start = max(0, start - 4096)
+            f.seek(start)
+            tail = f.read(size - start)
+        if tail.endswith(b"\n"):
+            return 0
+        keep = start + tail.rfind(b"\n") + 1  # 0 when the file holds no newline at all
+        f.truncate(keep)
+    return size - keep
+
+
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
