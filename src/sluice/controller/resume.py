@@ -41,6 +41,7 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.checkpoint import read_driver_state as read_state_file
+from sluice.controller.consistency import check_consistent
 from sluice.controller.cut import AsyncCut
 from sluice.controller.run_state import LOGS, TrainingRun
 from sluice.rollout.evaluate import EvalResult, EvalScores
@@ -122,7 +123,9 @@ def _first_usable(candidates: list[Path], explicit: bool) -> tuple[Path, DriverS
     for path in candidates:
         try:  # deliberately: a damaged checkpoint falls back to the previous one
             verify_checkpoint(path)  # before any file in it is read (the driver's, DCP's metadata)
-            return path, read_driver_state(path), failed
+            state = read_driver_state(path)
+            check_consistent(path, state)  # folder name, manifest, driver, trainer and queue agree
+            return path, state, failed
         except CheckpointError as err:
             if explicit:
                 raise
@@ -154,7 +157,7 @@ async def save_checkpoint(run: TrainingRun, cut: AsyncCut, pipeline: Checkpointe
         await pipeline.save_state(str(tmp / TRAINER_DIR))
         cut.queue = await pipeline.queue_snapshot(set(cut.reports))
         write_driver_state(tmp, state, STATE_CLASSES)
-        return await asyncio.to_thread(run.checkpoints.commit, tmp, version)
+        return await asyncio.to_thread(run.checkpoints.commit, tmp, version, _believe)
 
 
 async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, state: DriverState) -> EvalResult | None:
@@ -167,6 +170,11 @@ async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, s
     run.prompts.position = state.prompt_position
     restore_rng(state.rng)
     return state.base_eval
+
+
+def _believe(path: Path) -> None:
+    """A checkpoint just written, read back as a resume would read it: its parts agree."""
+    check_consistent(path, read_driver_state(path))
 
 
 def _driver_state(run: TrainingRun, version: int, cut: AsyncCut) -> DriverState:
