@@ -22,7 +22,9 @@ def _fill_the_disk_at(where, monkeypatch):
     if where == "log":
         real_open = Path.open
 
-        class FullDisk:  # the trained-ids file of step 3 takes a few bytes, then the disk is full
+        full = []
+
+        class FullDisk:  # step 3's trained-ids line takes a few bytes, then no log gets any more
             def __init__(self, f):
                 self.f = f
 
@@ -33,15 +35,16 @@ def _fill_the_disk_at(where, monkeypatch):
                 self.f.close()
 
             def write(self, text):
-                if '"step": 3,' in text:
-                    self.f.write(text[:25])
+                if '"step": 3,' in text and not full:
+                    full.append(self.f.write(text[:25]))
                     self.f.flush()
+                if full:
                     raise OSError(errno.ENOSPC, "No space left on device")
                 return self.f.write(text)
 
         def open_(self, mode="r", *args, **kwargs):
             f = real_open(self, mode, *args, **kwargs)
-            return FullDisk(f) if self.name == "trained_ids.jsonl" and mode == "a" else f
+            return FullDisk(f) if self.suffix == ".jsonl" and mode == "a" else f
 
         monkeypatch.setattr(Path, "open", open_)
         return "trained_ids.jsonl"

@@ -37,8 +37,11 @@ def test_the_lock_of_a_holder_that_is_gone_is_taken_over_and_said_so(tmp_path, c
     assert "taking over" in caplog.text and "pid 424242 on node7 since 2026-01-01T00:00:00Z" in caplog.text
 
 
-def test_a_second_driver_on_the_run_dir_exits_2_with_one_line_and_writes_nothing(tiny_task_model, tmp_path, capsys):
-    args = [*tiny_run_overrides(tiny_task_model, tmp_path, "twice"), "run.backend=local", "reward.pool_size=0"]
+@pytest.mark.parametrize("resume", [[], ["resume=auto"]])
+def test_a_second_driver_on_the_run_dir_exits_2_with_one_line_and_writes_nothing(
+    tiny_task_model, tmp_path, capsys, resume
+):
+    args = [*tiny_run_overrides(tiny_task_model, tmp_path, "twice"), "run.backend=local", "reward.pool_size=0", *resume]
     run_dir = tmp_path / "twice"
     with run_dir_lock(run_dir):  # the first driver, mid-run
         assert main(["train", *args]) == 2
