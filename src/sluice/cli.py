@@ -131,6 +131,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         console.print(dump_config(cfg), end="", markup=False, highlight=False)
         return 0
+    from sluice.runtime.run_lock import refuse_if_held
+
+    refuse_if_held(Path(cfg.run.output_dir) / cfg.run.name)  # a second driver: said before the model loads
     _check_before_torch(cfg)
     from sluice.rl_trainer import RLTrainer
     from sluice.runtime.preemption import RunPreempted

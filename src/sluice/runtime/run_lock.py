@@ -14,7 +14,8 @@ children such as Ray's daemons and the reaper do not get the descriptor).
 ``fit`` calls in one process on one run dir). On NFS, Linux maps ``flock`` onto the server's
 byte-range locks; a holder on another host is seen through them.
 
-It does not stop, wait for or signal the holder; it only refuses or takes over.
+``refuse_if_held`` asks the same question early (``sluice train``, before the model loads) without
+taking the lock. It does not stop, wait for or signal the holder; it only refuses or takes over.
 """
 
 from __future__ import annotations
@@ -52,10 +53,7 @@ def run_dir_lock(run_dir: Path) -> Iterator[dict[str, object]]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunDirBusy(
-                f"{run_dir} is in use by another driver ({_describe(_read(fd))}; {path}): wait for it to "
-                "end, stop it, or choose another run.name"
-            ) from None
+            raise _busy(run_dir, fd) from None
         previous = _read(fd)
         if previous:  # written by a holder that never released it: its process is gone
             log.warning("taking over the run dir lock of a driver that is gone (%s; %s)", _describe(previous), path)
@@ -72,6 +70,23 @@ def run_dir_lock(run_dir: Path) -> Iterator[dict[str, object]]:
             _write(fd, "")  # released in order: no holder left to take over
     finally:
         os.close(fd)  # releases the flock
+
+
+def refuse_if_held(run_dir: Path) -> None:
+    """``RunDirBusy`` now if another driver holds ``run_dir``, before the seconds or minutes a
+    model load or an SFT warm start takes (``sluice train`` asks first; ``fit`` takes the lock
+    itself). A probe: a shared lock taken and dropped at once, nothing created or written."""
+    path = run_dir / LOCK_FILE
+    if not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(run_dir, fd) from None
+    finally:
+        os.close(fd)  # drops the probe's shared lock
 
 
 def read_holder(run_dir: Path) -> dict[str, object]:
@@ -102,6 +117,13 @@ def _write(fd: int, text: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, text.encode(), 0)
     os.fsync(fd)
+
+
+def _busy(run_dir: Path, fd: int) -> RunDirBusy:
+    return RunDirBusy(
+        f"{run_dir} is in use by another driver ({_describe(_read(fd))}; {run_dir / LOCK_FILE}): wait for it "
+        "to end, stop it, or choose another run.name"
+    )
 
 
 def _describe(holder: dict[str, object]) -> str:
