@@ -3,9 +3,9 @@
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
 dataset, model path) into one line on stderr with exit code 2, and a run that stopped itself
-(``RunStopped``: a reward or environment over its failure budget, a worker lost or silent) into
-its one line with exit code 1. A training run stopped by SIGTERM (SIGINT) at a checkpoint says
-so in one line and exits with 143 (130). All work is delegated to
+(``RunStopped``: a reward or environment over its failure budget, a worker lost or silent, a
+write the disk refused) into its one line with exit code 1. A training run stopped by SIGTERM
+(SIGINT) at a checkpoint says so in one line and exits with 143 (130). All work is delegated to
 ``sluice.RLTrainer`` and the evaluator.
 """
 
@@ -38,8 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except _run_stops() as err:  # the run stopped itself (e.g. a failure budget): its one line
+    except _run_stops() as err:  # the run stopped itself (e.g. a failure budget, a full disk): its one line
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a write the disk refused outside a run (a model cache, a bench's JSON)
+        fault = _disk_fault(err)
+        if fault is None:
+            raise
+        print(f"error: {fault}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -177,9 +183,12 @@ def _train(args: argparse.Namespace) -> int:
         text = dump_config(cfg, unused_sections(cfg, task.env))
         console.print(text, end="", markup=False, highlight=False)
         return 0
+    from sluice.runtime.run_lock import refuse_if_held
     from sluice.telemetry.console import run_console
 
-    with run_console(Path(cfg.run.output_dir) / cfg.run.name) as terminal:  # Ray's and libraries' lines: run.log
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    refuse_if_held(run_dir)  # a second driver: said before the model loads and before run.log opens
+    with run_console(run_dir) as terminal:  # Ray's and libraries' lines: run.log
         return _run(cfg, console, terminal)
 
 
@@ -291,8 +300,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from sluice.telemetry.gantt import render_gantt
     from sluice.telemetry.trace import read_chrome_trace, trace_summary
 
@@ -345,6 +352,7 @@ _USER_ERRORS = {
     "sluice.dag.spec": "DagError",
     "sluice.data.readers": "DatasetError",
     "sluice.engines.model_folder": "ModelPathError",
+    "sluice.runtime.run_lock": "RunDirBusy",
     "sluice.telemetry.plot": "MetricsFileError",
 }
 """The errors that are a user's input, by defining module. Only modules already imported are asked:
@@ -355,6 +363,12 @@ and transformers, seconds) to say that a config key is wrong would make every su
 def _user_errors() -> tuple[type[Exception], ...]:
     loaded = (getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules)
     return (ConfigError, *loaded)
+
+
+def _disk_fault(err: OSError) -> Exception | None:
+    from sluice.runtime.disk_faults import diagnose
+
+    return diagnose(err, Path.cwd())
 
 
 def _run_stops() -> tuple[type[Exception], ...]:

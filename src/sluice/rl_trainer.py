@@ -43,9 +43,11 @@ from sluice.preflight import preflight
 from sluice.rewards import build_reward_service, check_reward
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
+from sluice.runtime.disk_faults import disk_faults
 from sluice.runtime.pipelines import PipelineSpec
 from sluice.runtime.preemption import Preemption, RunPreempted, preemptible
 from sluice.runtime.processes import run_tag, tagged_run
+from sluice.runtime.run_lock import run_dir_lock
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
@@ -243,14 +245,16 @@ class RLTrainer:
             self.init_engines()
         if not self._data_ready:
             self.load_prompt_data()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        # SIGTERM / SIGINT stop the run at the next step boundary with a checkpoint (RunPreempted);
-        # its processes carry its tag (a crashed predecessor's swept first, none outlives it)
-        with preemptible(run_tag(self.run_dir)) as preemption, tagged_run(self.run_dir):
-            run, base, final = self._run_training(progress, preemption)
-        self.tokenizer.save_pretrained(run.final_model_dir)
-        if cfg.tracking.plot:
-            plot_run(self.run_dir)
+        # one driver per run dir (runtime/run_lock.py), taken before anything in it is read or written;
+        # a write the disk refuses (full, read-only) stops the run with one line naming the file
+        with disk_faults(self.run_dir), run_dir_lock(self.run_dir):
+            # SIGTERM / SIGINT stop the run at the next step boundary with a checkpoint (RunPreempted);
+            # its processes carry its tag (a crashed predecessor's swept first, none outlives it)
+            with preemptible(run_tag(self.run_dir)) as preemption, tagged_run(self.run_dir):
+                run, base, final = self._run_training(progress, preemption)
+            self.tokenizer.save_pretrained(run.final_model_dir)
+            if cfg.tracking.plot:
+                plot_run(self.run_dir)
         minutes = (time.monotonic() - run.started) / 60
         return FitResult(
             None if base is None else base.accuracy,

@@ -169,3 +169,20 @@ def test_algorithm_broadcasts_flat_estimators(estimator: str) -> None:
         assert a == [w] * len(s.response_ids)
     assert all(math.isfinite(x) for row in adv for x in row)
     assert algo.advantages([]) == []
+
+
+def test_the_group_relative_set_is_the_estimators_that_learn_nothing_from_one_sample_groups():
+    """``config.trainer.GROUP_RELATIVE`` (``rollout.group_size: 1`` refused) is exactly the estimators
+    whose advantages are all zero or not finite when every group holds one sample."""
+    from sluice.config.trainer import GROUP_RELATIVE
+
+    rewards = torch.tensor([0.0, 1.0, 0.5, 1.0, 0.0, 0.25])
+    groups, tokens = torch.arange(6), torch.tensor([3, 5, 2, 4, 6, 1])
+    blind = set()
+    for name, estimate in ADVANTAGE_ESTIMATORS.items():
+        if name == "gae":  # needs a critic's values: PPO (group size 1 is fine there)
+            continue
+        adv = estimate(rewards, groups, tokens, 1e-6)
+        if not torch.isfinite(adv).all() or bool((adv == 0).all()):
+            blind.add(name)
+    assert blind == GROUP_RELATIVE

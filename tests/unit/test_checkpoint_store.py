@@ -4,6 +4,7 @@ the format version, and driver state in JSON that builds only allowed classes.""
 
 import json
 import logging
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -23,11 +24,16 @@ from sluice.controller.checkpoint import (
     open_run,
     write_driver_state,
 )
+from sluice.controller.consistency import check_consistent
 from sluice.controller.resume import STATE_CLASSES, AsyncCut, DriverState, open_checkpoints, read_driver_state
 from sluice.controller.state_codec import StateCodecError, dumps, loads
 from sluice.schedule.ledger import GroupLedger, GroupState
 from sluice.schedule.staleness import StalenessGate
 from sluice.trainer.rng_state import capture_rng
+from sluice.trainer.worker import TRAINER_STATE
+
+LINE = '{"s": 0000}\n'
+"""A 12-byte record; ``_run_with_checkpoints`` records 12 bytes of log per version."""
 
 
 def _config(tmp_path, *overrides):
@@ -45,6 +51,7 @@ def _commit(store, config, version, logs=None):
     tmp = store.begin(version)
     (tmp / "trainer").mkdir()
     (tmp / "trainer" / "weights.bin").write_bytes(bytes(range(256)) * 4)
+    torch.save({"version": version, "rng": {}}, tmp / "trainer" / TRAINER_STATE)
     write_driver_state(tmp, _state(config, version, logs), STATE_CLASSES)
     return store.commit(tmp, version)
 
@@ -56,8 +63,8 @@ def config_run_dir(config):
 def _run_with_checkpoints(tmp_path, versions=(2, 4, 6), *overrides):
     config = _config(tmp_path, *overrides)
     store, _, _ = open_checkpoints(config, config_run_dir(config))
-    paths = [_commit(store, config, v, {"trained_ids.jsonl": 10 * v}) for v in versions]
-    (config_run_dir(config) / "trained_ids.jsonl").write_text("x" * 10 * versions[-1] + "y" * 5)
+    paths = [_commit(store, config, v, {"trained_ids.jsonl": len(LINE) * v}) for v in versions]
+    (config_run_dir(config) / "trained_ids.jsonl").write_text(LINE * versions[-1] + "y" * 5)
     return config, store, paths
 
 
@@ -107,7 +114,7 @@ def test_a_truncated_file_falls_back_to_the_previous_checkpoint_and_nothing_is_d
     assert (rejected / "trainer" / "weights.bin").stat().st_size == 100 and (rejected / DRIVER_STATE).is_file()
     lines = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
     assert len(lines) == 1 and "step_000006" in lines[0] and "has 100 bytes" in lines[0]
-    assert log.read_text() == "x" * 40  # cut back to the fallback checkpoint's size
+    assert log.read_text() == LINE * 4  # cut back to the fallback checkpoint's size
     assert [p.name for p in store.complete()] == ["step_000002", "step_000004"]
     _commit(store, config, 6)  # the run goes on: the rejected one stays, and is not counted
     _commit(store, config, 8)
@@ -238,3 +245,95 @@ def test_rng_state_loads_with_torch_weights_only(tmp_path):
     torch.save({"version": 3, "rng": capture_rng()}, tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     assert state["version"] == 3 and state["rng"] == capture_rng()
+
+
+@pytest.mark.parametrize("name", ["trained_ids.jsonl", "metrics.jsonl"])
+def test_a_log_cut_mid_line_loses_that_line_on_resume_and_says_so(tmp_path, caplog, name):
+    """A disk that lost the log's tail: the resume keeps the whole lines, drops the cut one (so the
+    next record is not glued onto it) and says so, naming the file."""
+    config = _config(tmp_path)
+    store, _, _ = open_checkpoints(config, config_run_dir(config))
+    _commit(store, config, 2, {name: len(LINE) * 3})
+    log = config_run_dir(config) / name
+    log.write_text(LINE * 2 + LINE[:5])  # the third line lost its tail
+    with caplog.at_level(logging.WARNING):
+        open_checkpoints(_config(tmp_path, "run.resume=auto"), config_run_dir(config))
+    assert log.read_text() == LINE * 2
+    said = [r.getMessage() for r in caplog.records if "cut mid-line" in r.getMessage()]
+    assert len(said) == 1 and str(log) in said[0] and "dropped (5 bytes)" in said[0]
+    assert "12 bytes less than step_000002" in said[0]
+
+
+def test_drop_cut_line_keeps_whole_lines_and_reaches_back_past_a_block(tmp_path):
+    log = tmp_path / "m.jsonl"
+    for text, kept in [("", ""), (LINE, LINE), (LINE + "x" * 9000, LINE), ("x" * 10, "")]:
+        log.write_text(text)
+        assert checkpoint.drop_cut_line(log) == len(text) - len(kept) and log.read_text() == kept
+
+
+def _reseal(path):
+    """Rewrite ``path``'s manifest for the files it now holds, so it verifies: a tampered checkpoint
+    that a checksum cannot catch (a copy under another name, state written by a buggy run)."""
+    manifest = json.loads((path / COMPLETE).read_text())
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != COMPLETE)
+    manifest["files"] = files
+    manifest["bytes"] = {n: (path / n).stat().st_size for n in files}
+    manifest["sha256"] = {n: checkpoint._sha256(path / n) for n in files}
+    (path / COMPLETE).write_text(json.dumps(manifest))
+
+
+def _tamper(paths, config, how):
+    step6 = paths[-1]
+    if how == "folder":  # step_000006 is really step 4's checkpoint, copied over it
+        shutil.rmtree(step6)
+        shutil.copytree(paths[1], step6)
+    elif how == "driver":
+        write_driver_state(step6, _state(config, 5), STATE_CLASSES)
+    elif how == "trainer":
+        torch.save({"version": 5, "rng": {}}, step6 / "trainer" / TRAINER_STATE)
+    elif how == "queue":  # rows of a group the driver's books have no report of
+        state = _state(config, 6)
+        state.cut.queue = {"storage": {"meta": [[0, 3, 0]], "columns": {}, "freed": []}, "tasks": {}}
+        write_driver_state(step6, state, STATE_CLASSES)
+    elif how == "ledger":  # a group trained at a step after the checkpoint's
+        state = _state(config, 6)
+        state.cut.ledger.admitted(3, 6)
+        state.cut.ledger.groups[3].trained_at = 7
+        write_driver_state(step6, state, STATE_CLASSES)
+    _reseal(step6)
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [
+        ("folder", "its folder name says step 6, its manifest version 4"),
+        ("driver", "its folder name says step 6, its driver state (driver.json) version 5"),
+        ("trainer", "its driver state says version 6, its trainer state (trainer/trainer_state.pt) 5"),
+        ("queue", "the queue snapshot holds rows of group 3, which has no report in the driver state"),
+        ("ledger", "the ledger has group 3 trained at step 7, after step 6"),
+    ],
+)
+def test_an_inconsistent_checkpoint_is_set_aside_and_the_previous_one_used(tmp_path, caplog, how, says):
+    config, _, paths = _run_with_checkpoints(tmp_path)
+    _tamper(paths, config, how)
+    with caplog.at_level(logging.WARNING):
+        store, path, state = open_checkpoints(_config(tmp_path, "run.resume=auto"), config_run_dir(config))
+    assert (path, state.version) == (paths[1], 4)
+    said = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+    assert len(said) == 1 and "step_000006 is inconsistent: " + says in said[0], said
+    assert paths[-1].with_name("step_000006.rejected").is_dir() and not paths[-1].exists()
+    assert [p.name for p in store.complete()] == ["step_000002", "step_000004"]  # nothing deleted
+
+
+def test_a_checkpoint_not_believed_at_its_write_is_set_aside_and_nothing_is_pruned(tmp_path):
+    config = _config(tmp_path)
+    store = CheckpointStore(config_run_dir(config), keep=1, run_id="r")
+    first = _commit(store, config, 2)
+    tmp = store.begin(4)
+    (tmp / "trainer").mkdir()
+    torch.save({"version": 3, "rng": {}}, tmp / "trainer" / TRAINER_STATE)  # a trainer a step behind
+    write_driver_state(tmp, _state(config, 4), STATE_CLASSES)
+    with pytest.raises(CheckpointError, match=r"step_000004 is inconsistent: .*trainer state"):
+        store.commit(tmp, 4, lambda p: check_consistent(p, read_driver_state(p)))
+    assert store.complete() == [first]  # the older one kept: the new one was not believed
+    assert (first.parent / "step_000004.rejected" / "trainer" / TRAINER_STATE).is_file()

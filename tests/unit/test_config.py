@@ -218,3 +218,25 @@ def test_run_epochs_excludes_run_steps_and_its_warmup_must_fit_the_derived_steps
     warm = load_config(None, ["run.epochs=1", "rollout.prompts_per_step=8", "trainer.lr_warmup_steps=5"])
     with pytest.raises(ConfigError, match=r"trainer\.lr_warmup_steps \(5\) exceeds run\.steps \(2\)"):
         steps_of_epochs(warm, 16)
+
+
+@pytest.mark.parametrize("name", ["../x", "/tmp/elsewhere", "a/../../x", ".", ""])
+def test_a_run_name_outside_the_output_dir_is_refused_in_one_line(name):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"run.name={name}"])
+    line = str(err.value)
+    assert "\n" not in line and "must be a folder name inside run.output_dir" in line
+    assert load_config(None, ["run.name=team/exp1"]).run.name == "team/exp1"  # a sub-folder stays inside
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_one_sample_groups_with_a_group_relative_estimator_are_refused_naming_both_keys(algorithm):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.group_size=1", f"trainer.algorithm={algorithm}"])
+    line = str(err.value)
+    assert "\n" not in line and "rollout.group_size: 1" in line and f"trainer.algorithm: {algorithm}" in line
+
+
+@pytest.mark.parametrize("algorithm", ["reinforce_pp", "ppo"])
+def test_one_sample_groups_are_taken_where_the_baseline_is_not_the_group(algorithm):
+    assert load_config(None, ["rollout.group_size=1", f"trainer.algorithm={algorithm}"]).rollout.group_size == 1

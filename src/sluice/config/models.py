@@ -9,6 +9,7 @@ declares and validates.
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -21,7 +22,7 @@ from sluice.config.resources import ResourcesConfig, check_resources
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
 from sluice.config.tracking import TrackingConfig
-from sluice.config.trainer import TrainerConfig
+from sluice.config.trainer import TrainerConfig, check_group_size
 
 
 class RolloutConfig(_Section):
@@ -135,6 +136,16 @@ class RunConfig(_Section):
 
     output_dir: str = "runs"
     """Parent folder of run directories."""
+
+    @model_validator(mode="after")
+    def _name_inside_output_dir(self) -> RunConfig:
+        parts = PurePath(self.name).parts
+        if not parts or PurePath(self.name).is_absolute() or ".." in parts or self.name.strip() in ("", "."):
+            raise ValueError(
+                f"run.name {self.name!r} must be a folder name inside run.output_dir ({self.output_dir!r}): "
+                "no absolute path, no '..' (set run.output_dir to write elsewhere)"
+            )
+        return self
 
     mode: Literal["sync", "async"] = "async"
     """Two schedules of the same workers. ``sync``: admit a step's groups, wait for all of them
@@ -314,6 +325,7 @@ class SluiceConfig(_Section):
         t = self.trainer
         if self.run.epochs is None and t.lr_warmup_steps > self.run.steps:  # epochs: checked once derived
             raise ValueError(f"trainer.lr_warmup_steps ({t.lr_warmup_steps}) exceeds run.steps ({self.run.steps})")
+        check_group_size(t, self.rollout.group_size)
         return self
 
     def engine_options(self) -> dict[str, Any]:

@@ -11,6 +11,11 @@ from pydantic import Field, model_validator
 
 from sluice.config.section import Section as _Section
 
+GROUP_RELATIVE = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+"""Estimators whose baseline is the prompt group's other samples: with one sample a group every
+advantage is zero (``grpo``, ``dr_grpo``, ``reinforce_pp_baseline``) or undefined (``rloo``).
+``tests/unit/test_algos.py`` checks this set against ``trainer/algos``."""
+
 
 class TrainerConfig(_Section):
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
@@ -189,3 +194,13 @@ class TrainerConfig(_Section):
     longest group's length if that is more (0: the longest group's). Longer rows mean fewer rows
     but attention over a row is dense (O(row²)) on CPU; raise it on platforms with varlen
     attention kernels."""
+
+
+def check_group_size(trainer: TrainerConfig, group_size: int) -> None:
+    """``rollout.group_size: 1`` trains nothing under a group-relative estimator: refused, naming
+    both keys (``reinforce_pp`` and ``ppo`` have baselines of their own and take it)."""
+    if group_size == 1 and trainer.algorithm in GROUP_RELATIVE:
+        raise ValueError(
+            f"rollout.group_size: 1 with trainer.algorithm: {trainer.algorithm} (group-relative: every advantage "
+            "would be zero or undefined); use rollout.group_size >= 2, or trainer.algorithm reinforce_pp or ppo"
+        )

@@ -12,8 +12,9 @@ that resume ignores (and this run's next write removes).
 
 One run per run dir: a fresh run records its id in ``<run dir>/run.json`` and refuses a run dir
 that already holds checkpoints; pruning, dropping and temp-folder cleanup touch only this run id's
-folders. A checkpoint that fails verification is renamed ``step_NNNNNN.rejected`` (kept, never
-deleted, out of every listing).
+folders. A checkpoint that fails verification, or is not believed (its parts disagree:
+``controller/consistency.py``), is renamed ``step_NNNNNN.rejected`` (kept, never deleted, out of
+every listing).
 
 This module knows files, not what the state means; it does not capture or restore anything.
 """
@@ -26,7 +27,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,11 @@ class CheckpointStore:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, version: int) -> Path:
-        """Seal ``tmp`` (manifest, fsync), rename it into place, verify it as written; only then
-        prune this run's older checkpoints."""
+    def commit(self, tmp: Path, version: int, believe: Callable[[Path], None] | None = None) -> Path:
+        """Seal ``tmp`` (manifest, fsync), rename it into place, verify it as written and
+        ``believe`` it (its parts agree: ``consistency.py``); only then prune this run's older
+        checkpoints. One that fails is set aside (``*.rejected``, a step it replaced put back),
+        nothing is pruned, and the ``CheckpointError`` propagates."""
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "format": FORMAT_VERSION,
@@ -134,7 +137,15 @@ class CheckpointStore:
                 set_aside(final)
         os.replace(tmp, final)
         _fsync_dir(self.root)
-        verify_checkpoint(final)
+        try:  # deliberately: a checkpoint not believed leaves every older one where it was
+            verify_checkpoint(final)
+            if believe is not None:
+                believe(final)
+        except CheckpointError:
+            set_aside(final)
+            if replaced is not None:
+                os.replace(replaced, final)
+            raise
         if replaced is not None:
             shutil.rmtree(replaced)
         self.prune()
@@ -356,6 +367,26 @@ def truncate_log(path: Path, size: int) -> None:
     if path.is_file() and path.stat().st_size > size:
         with path.open("r+b") as f:
             f.truncate(size)
+
+
+def drop_cut_line(path: Path) -> int:
+    """A JSONL log whose last line was cut mid-line (no newline at its end: a write that did not
+    finish, a disk that lost the file's tail) loses that line, so appending does not glue the next
+    record onto it; the bytes dropped (0: the file ends with a whole line, is empty or absent)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return 0
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        tail, start = b"", size
+        while start > 0 and b"\n" not in tail:  # back to the last newline, a block at a time
+            start = max(0, start - 4096)
+            f.seek(start)
+            tail = f.read(size - start)
+        if tail.endswith(b"\n"):
+            return 0
+        keep = start + tail.rfind(b"\n") + 1  # 0 when the file holds no newline at all
+        f.truncate(keep)
+    return size - keep
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

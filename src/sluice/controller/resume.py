@@ -31,6 +31,7 @@ from sluice.controller.checkpoint import (
     config_changes,
     data_changes,
     data_fingerprint,
+    drop_cut_line,
     log_sizes,
     open_run,
     read_manifest,
@@ -41,9 +42,11 @@ from sluice.controller.checkpoint import (
     write_driver_state,
 )
 from sluice.controller.checkpoint import read_driver_state as read_state_file
+from sluice.controller.consistency import check_consistent
 from sluice.controller.cut import AsyncCut
 from sluice.controller.run_state import LOGS, TrainingRun
 from sluice.rollout.evaluate import EvalResult, EvalScores
+from sluice.runtime.disk_faults import disk_faults
 from sluice.schedule.ledger import GroupLedger, GroupRecord, GroupState
 from sluice.schedule.staleness import StalenessGate
 from sluice.trainer.rng_state import capture_rng, restore_rng
@@ -107,6 +110,11 @@ def open_checkpoints(config: SluiceConfig, run_dir: Path) -> tuple[CheckpointSto
         log.warning("checkpoint %s is unusable (%s): kept as %s; resuming from %s", bad, reason, set_aside(bad), path)
     for name in LOGS:
         truncate_log(run_dir / name, state.logs.get(name, 0))
+        dropped = drop_cut_line(run_dir / name)  # appending to a cut line would corrupt the next record
+        if dropped:
+            short = state.logs.get(name, 0) - (run_dir / name).stat().st_size
+            lost = f"; it now holds {short} bytes less than {path.name} recorded" if short > 0 else ""
+            log.warning("%s: its last line was cut mid-line: dropped (%d bytes)%s", run_dir / name, dropped, lost)
     store.drop_newer_than(state.version)
     log.warning("resuming %s from %s (version %d)", run_dir, path, state.version)
     return store, path, state
@@ -119,7 +127,9 @@ def _first_usable(candidates: list[Path], explicit: bool) -> tuple[Path, DriverS
     for path in candidates:
         try:  # deliberately: a damaged checkpoint falls back to the previous one
             verify_checkpoint(path)  # before any file in it is read (the driver's, DCP's metadata)
-            return path, read_driver_state(path), failed
+            state = read_driver_state(path)
+            check_consistent(path, state)  # folder name, manifest, driver, trainer and queue agree
+            return path, state, failed
         except CheckpointError as err:
             if explicit:
                 raise
@@ -146,11 +156,12 @@ async def save_checkpoint(run: TrainingRun, cut: AsyncCut, pipeline: Checkpointe
     multi-controller run's gate and shards), then the trainer's state and the queue's rows of the cut's written groups,
     while generation goes on."""
     state = _driver_state(run, version, cut)
-    tmp = run.checkpoints.begin(version)
-    await pipeline.save_state(str(tmp / TRAINER_DIR))
-    cut.queue = await pipeline.queue_snapshot(set(cut.reports))
-    write_driver_state(tmp, state, STATE_CLASSES)
-    return await asyncio.to_thread(run.checkpoints.commit, tmp, version)
+    with disk_faults(run.checkpoints.root, any_error=True):  # a full disk: one line, older checkpoints kept
+        tmp = run.checkpoints.begin(version)
+        await pipeline.save_state(str(tmp / TRAINER_DIR))
+        cut.queue = await pipeline.queue_snapshot(set(cut.reports))
+        write_driver_state(tmp, state, STATE_CLASSES)
+        return await asyncio.to_thread(run.checkpoints.commit, tmp, version, _believe)
 
 
 async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, state: DriverState) -> EvalResult | None:
@@ -163,6 +174,11 @@ async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, s
     run.prompts.position = state.prompt_position
     restore_rng(state.rng)
     return state.base_eval
+
+
+def _believe(path: Path) -> None:
+    """A checkpoint just written, read back as a resume would read it: its parts agree."""
+    check_consistent(path, read_driver_state(path))
 
 
 def _driver_state(run: TrainingRun, version: int, cut: AsyncCut) -> DriverState:

@@ -26,6 +26,7 @@ from sluice.controller.run_state import TrainingRun
 from sluice.dag.loader import write_prompt_file
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
+from sluice.runtime.disk_faults import DiskFault, disk_faults
 from sluice.runtime.pipelines import LocalPipeline, PipelineSpec
 from sluice.runtime.preemption import Preemption, RunPreempted
 from sluice.runtime.ray_pipeline import RayPipeline
@@ -155,7 +156,8 @@ async def run_training(
         run.metrics.log("fates", **controller.ledger.counters(), **_staleness(controller.ledger))
         for kind, record in pipeline.end_records().items():  # sample bytes through the driver, shards
             run.metrics.log(kind, **record)
-        await pipeline.save(str(run.final_model_dir))
+        with disk_faults(run.final_model_dir, any_error=True):  # torch / safetensors raise no OSError
+            await pipeline.save(str(run.final_model_dir))
         return base, final
     finally:
         pipeline.close()
@@ -176,14 +178,16 @@ async def _supervised_loop(
     after_step: StepCallback,
 ) -> None:
     """The controller's steps under the watchdog. A stop (``RunStopped``, or a worker's death
-    the pipeline explains) logs the books so far, then propagates as its one line."""
+    the pipeline explains) logs the books so far (not to a disk that refused a write), then
+    propagates as its one line."""
     try:
         await supervised(controller.run(run.config.run.steps, after_step), watchdog)
     except Exception as err:
         stopped = err if isinstance(err, RunStopped) else pipeline.explain(err)
         if stopped is None:
             raise
-        run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stopped))
+        if not isinstance(stopped, DiskFault):  # a disk that refuses writes gets no more of them
+            run.metrics.log("fates", **controller.ledger.counters(), stopped=str(stopped))
         if stopped is err:
             raise
         raise stopped from err

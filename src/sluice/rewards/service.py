@@ -2,8 +2,10 @@
 
 ``RewardService(fn, ...)`` is itself a ``RewardFn`` (an async callable), so workflows call it
 like any reward. It runs ``fn`` in a ``RewardPool`` of processes (``pool_size >= 1``) or, with
-``pool_size = 0``, in a thread of this process (for rewards that cannot be pickled; a hung
-one then leaks its thread, but the call still times out).
+``pool_size = 0``, in a daemon thread of this process per call (for rewards that cannot be
+pickled; a hung one then leaks its thread, but the call still times out, and the thread is never
+joined: not by ``asyncio.run``'s end, which joins the loop's default executor forever, nor at the
+interpreter's exit, so a run stopped by its failure budget still exits).
 
 A call that raises, runs past ``timeout_s``, or returns something that is not a finite number (a
 ``bool`` counts as 1 / 0: ``return pred == gt``) raises ``RewardFailure`` whose ``reason``
@@ -19,10 +21,13 @@ controller's budget).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import math
 import numbers
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -86,7 +91,7 @@ class RewardService:
         try:
             if self.pool is not None:
                 return await self.pool.call(self.fn, response, fields, self.timeout_s)
-            return await asyncio.wait_for(asyncio.to_thread(call_reward, self.fn, response, fields), self.timeout_s)
+            return await asyncio.wait_for(_in_daemon_thread(call_reward, self.fn, response, fields), self.timeout_s)
         except TimeoutError as exc:
             raise self._failed("timeout", f"no result within {self.timeout_s} s") from exc
         except RewardCallError as exc:
@@ -119,3 +124,32 @@ class RewardService:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` in a daemon thread of its own; its result or exception on the returned future.
+    A caller that stops waiting (a timeout) abandons the thread: nothing ever joins it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()  # as asyncio.to_thread: the caller's context variables
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # the caller timed out and cancelled it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def run() -> None:
+        value, error = None, None
+        try:
+            value = context.run(fn, *args)
+        except BaseException as exc:  # handed to the awaiting caller, as asyncio.to_thread does
+            error = exc
+        if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
+                loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name="sluice-reward", daemon=True).start()
+    return future

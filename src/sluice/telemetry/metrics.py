@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sluice.runtime.disk_faults import disk_faults
+
 
 class JsonlMetrics:
     """Appends ``{"kind": ..., "time": ..., **values}`` records to a JSONL file."""
@@ -31,7 +33,7 @@ class JsonlMetrics:
         record = {"kind": kind, "elapsed_s": round(time.monotonic() - self._start, 3), **values}
         record = {k: _jsonable(v) for k, v in record.items()}
         if self.path is not None:
-            with self.path.open("a") as f:
+            with disk_faults(self.path), self.path.open("a") as f:  # a full disk: one line naming the file
                 f.write(json.dumps(record) + "\n")
         return record
 
