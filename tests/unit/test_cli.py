@@ -149,7 +149,7 @@ def test_dry_run_prints_only_the_sections_the_run_reads(tmp_path, capsys):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")  # an empty, valid header
     own = [f"model.path={model}", "data.train_files=rows.jsonl", "rollout.max_new_tokens=8", "reward.name=exact_match"]
     assert main(["train", "--dry-run", *own]) == 0
     out = capsys.readouterr().out
