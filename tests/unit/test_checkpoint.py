@@ -266,7 +266,7 @@ def test_trainer_worker_state_round_trip_continues_bit_for_bit(tmp_path):
 def test_cli_resume_shorthand_is_run_resume():
     from sluice.cli import _split_args
 
-    assert _split_args(["cfg.yaml", "resume=auto", "run.steps=3"]) == ("cfg.yaml", ["run.resume=auto", "run.steps=3"])
+    assert _split_args(["cfg.yaml", "resume=auto", "run.steps=3"]) == (["cfg.yaml"], ["run.resume=auto", "run.steps=3"])
 
 
 def test_a_changed_file_fails_the_checksum_before_anything_is_unpickled(tmp_path):

@@ -17,7 +17,9 @@ def test_the_terminal_gets_sluices_lines_and_errors_and_the_log_keeps_everything
         logging.getLogger("ray._private.worker").info("Started a local Ray instance.")
         logging.getLogger("ray").warning("Token authentication is enabled")
         logging.getLogger("urllib3.connectionpool").error("a library's error")
-        warnings.warn("`past_key_values` is deprecated", FutureWarning, stacklevel=1)
+        with warnings.catch_warnings():  # whatever filters earlier tests in this process left
+            warnings.simplefilter("always")
+            warnings.warn("`past_key_values` is deprecated", FutureWarning, stacklevel=1)
         os.write(2, b"[E core_worker.cc:2465] max_restarts > 0\n")  # what native code writes
         print("stopped: one line of sluice's", file=terminal)
         print("a library's own handler or progress bar", file=sys.stderr)

@@ -155,7 +155,9 @@ def test_engine_fills_reference_logprobs_and_entropies():
         logits = model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0, 2:5]
     assert inputs.entropy.tolist() == pytest.approx(token_entropy(torch.log_softmax(logits, -1)).tolist(), abs=1e-5)
     assert inputs.entropy.requires_grad
-    assert engine._loss_inputs(mb, [[0]]).entropy is None
+    metric_only = engine._loss_inputs(mb, [[0]]).entropy  # without an entropy term: for the metric, no graph
+    assert metric_only is not None and not metric_only.requires_grad
+    assert metric_only.tolist() == pytest.approx(inputs.entropy.tolist())
 
 
 def test_reference_worker_writes_the_column_the_trainer_waits_for(tmp_path):
