@@ -11,6 +11,7 @@ from sluice.telemetry.console import RUN_LOG, run_console
 
 def test_the_terminal_gets_sluices_lines_and_errors_and_the_log_keeps_everything(tmp_path, capfd):
     before = logging.getLogger().handlers[:]
+    assert not logging.getLogger("sluice.rl_trainer").isEnabledFor(logging.INFO)  # cached, as in a long process
     with run_console(tmp_path) as terminal:
         logging.getLogger("sluice.rl_trainer").warning("sluice says this")
         logging.getLogger("sluice.rl_trainer").info("sluice's detail")

@@ -60,13 +60,15 @@ def run_console(run_dir: str | Path) -> Iterator[TextIO]:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     kept = [h for h in handlers if getattr(h, "stream", None) not in (stderr, sys.__stderr__)]  # e.g. pytest's
-    root.handlers, root.level = [*kept, to_file, to_terminal], logging.INFO
+    root.handlers = [*kept, to_file, to_terminal]
+    root.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the loggers' cached levels
     logging.captureWarnings(True)
     try:
         yield terminal
     finally:
         logging.captureWarnings(False)
-        root.handlers, root.level = handlers, level
+        root.handlers = handlers
+        root.setLevel(level)
         to_file.close()
         sys.stderr.close()
         sys.stderr = stderr
