@@ -49,7 +49,7 @@ def test_the_example_trains_two_steps(built, tmp_path):
     assert episodes["env_agent_calls"] >= episodes["env_episodes_kept"] and episodes["env_agent_mismatches"] == 0
     assert [r["count"] for r in records if r["kind"] == "eval"] == [4, 4]  # greedy agent episodes on val rows
     samples = [json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()]
-    assert samples and all(s["prompt"].startswith("system\n# Tools\n") for s in samples)  # the template's tools turn
-    assert all('"name": "calculate"' in s["prompt"] and "\nuser\n" in s["prompt"] for s in samples)
+    assert samples and all(s["prompt"].startswith("<|im_start|>system\n# Tools\n") for s in samples)  # tools turn
+    assert all('"name": "calculate"' in s["prompt"] and "<|im_start|>user\n" in s["prompt"] for s in samples)
     weights = next(r for r in records if r["kind"] == "weights")
     assert weights["engine_version"] == weights["trainer_version"] == 2

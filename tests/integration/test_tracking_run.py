@@ -42,7 +42,7 @@ def _check_samples(run_dir, steps, per_step, prompts):
         assert set(row) >= SAMPLE_FIELDS
         assert row["uid"] in trained[row["step"]] and row["uid"].startswith(f"{row['group_id']}-")
         assert row["staleness"] == row["step"] - 1 - row["version"] >= 0
-        assert row["prompt"] in prompts
+        assert row["prompt"] in {f"<bos>{p}" for p in prompts}  # as the model saw it: with its special tokens
         assert row["reward"] == length_reward(row["response"])
     return samples
 

@@ -11,6 +11,9 @@ from sluice.telemetry.console import RUN_LOG, run_console
 
 def test_the_terminal_gets_sluices_lines_and_errors_and_the_log_keeps_everything(tmp_path, capfd):
     before = logging.getLogger().handlers[:]
+    ray_logger = logging.getLogger("ray")  # as ensure_ray leaves it (a test's own ray.init may configure it)
+    ray_state = (ray_logger.propagate, ray_logger.level, ray_logger.handlers[:])
+    ray_logger.propagate, ray_logger.level, ray_logger.handlers = True, logging.NOTSET, []
     assert not logging.getLogger("sluice.rl_trainer").isEnabledFor(logging.INFO)  # cached, as in a long process
     with run_console(tmp_path) as terminal:
         logging.getLogger("sluice.rl_trainer").warning("sluice says this")
@@ -35,6 +38,7 @@ def test_the_terminal_gets_sluices_lines_and_errors_and_the_log_keeps_everything
                  "a library's error", "FutureWarning: `past_key_values`", "core_worker.cc:2465",
                  "a library's own handler"):  # fmt: skip
         assert kept in log, kept
+    ray_logger.propagate, ray_logger.level, ray_logger.handlers = ray_state
     assert logging.getLogger().handlers == before  # put back
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "after\n"
