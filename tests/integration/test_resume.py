@@ -105,7 +105,10 @@ def _wait_for(predicate, what, timeout=900.0):  # generous: a loaded 2-core box 
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("ranks", ["single", pytest.param("fsdp2", marks=pytest.mark.scale)])
+@pytest.mark.parametrize(
+    "ranks",  # a SIGKILLed driver: the faults tier's kind of case (and make test's longest, 36 s)
+    [pytest.param("single", marks=pytest.mark.faults), pytest.param("fsdp2", marks=pytest.mark.scale)],
+)
 def test_sigkill_mid_step_then_resume_auto_trains_each_sample_once(tiny_task_model, tmp_path, ray_cluster, ranks):
     """Ray async pipeline, η = 0: the driver's process group is SIGKILLed at a random point after
     the step-2 checkpoint (Ray then kills its rollout and trainer actors, requests in flight);
