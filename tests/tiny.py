@@ -80,3 +80,20 @@ def add_chat_template(model_dir: Path, out: Path) -> Path:
     tok.chat_template = TINY_CHAT_TEMPLATE
     tok.save_pretrained(out)
     return out
+
+
+CHAT_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 <>.?!"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}"
+    "{{ eos_token if m['role'] == 'assistant' else '' }}{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}"
+)
+"""A tiny chat format: a turn is ``<r>content`` (``r`` the role's initial), an assistant turn closes
+with ``<eos>``, the generation prompt is ``<a>``."""
+
+
+def chat_tokenizer(template: str | None = CHAT_TEMPLATE):
+    """A character tokenizer over ``CHAT_ALPHABET`` with ``template`` as its chat template."""
+    from sluice.tasks.tiny_model import build_char_tokenizer
+
+    return build_char_tokenizer(CHAT_ALPHABET, chat_template=template)

@@ -1,4 +1,4 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``bench``, ``trace``, ``plot``, ``plan``,
+"""The ``sluice`` command line: ``train``, ``sft``, ``eval``, ``bench``, ``trace``, ``plot``, ``plan``,
 ``simulate``, ``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
@@ -59,6 +59,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
+    sft = sub.add_parser(
+        "sft", help="supervised fine-tuning (the warm start before train)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  sluice sft my_sft.yaml data.train_files=chats.jsonl sft.epochs=2\n\n"
+        "then: sluice train my_run.yaml model.path=runs/<run.name>/final_model\n"
+        "every key: sluice config-docs (docs/config.md, docs/sft.md); resume=auto continues the last checkpoint",
+    )  # fmt: skip
+    sft.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...] [resume=auto|PATH]")
+    sft.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    sft.set_defaults(func=_sft)
     ev = sub.add_parser(
         "eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -117,12 +127,21 @@ def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
     return path, overrides
 
 
-def _train(args: argparse.Namespace) -> int:
+def _run_config(args: argparse.Namespace, console: Console) -> SluiceConfig | None:
+    """``train`` / ``sft``'s config from ``CONFIG [key=value ...]``; ``None`` after ``--dry-run``
+    printed it."""
     path, overrides = _split_args(args.args)
     cfg = load_config(path, overrides)
-    console = Console()
     if args.dry_run:
         console.print(dump_config(cfg), end="", markup=False, highlight=False)
+        return None
+    return cfg
+
+
+def _train(args: argparse.Namespace) -> int:
+    console = Console()
+    cfg = _run_config(args, console)
+    if cfg is None:
         return 0
     _check_before_torch(cfg)
     from sluice.rl_trainer import RLTrainer
@@ -145,6 +164,31 @@ def _train(args: argparse.Namespace) -> int:
         print("no evaluation (run.eval_every=0, or data.train_files without data.val_files)", flush=True)
     else:
         print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    console = Console()
+    cfg = _run_config(args, console)
+    if cfg is None:
+        return 0
+    from sluice.preflight import check_sft
+
+    check_sft(cfg)  # before torch: a wrong key or model path costs a blink
+    from sluice.engines.model_folder import check_model_dir
+
+    check_model_dir(cfg.model.path or "")
+    from sluice.controller.sft import run_sft
+    from sluice.telemetry import TrainProgress
+
+    with TrainProgress(0, "sft", cfg.run.progress, console) as bar:  # its total: once the rows are read
+        result = run_sft(cfg, progress=bar)
+    dropped = f"; {result.filtered} rows over sft.max_length dropped" if result.filtered else ""
+    console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}{dropped}")
+    scores = [
+        f"{k} {v:.4f}" for k, v in (("val_loss", result.val_loss), ("accuracy", result.accuracy)) if v is not None
+    ]
+    print("  ".join(scores) if scores else "no evaluation (run.eval_every=0, or no data.val_files)", flush=True)
     return 0
 
 
