@@ -15,6 +15,7 @@ from sluice.config.sft import SftConfig
 from sluice.controller.sft import run_sft
 from sluice.data.conversations import ConversationRenderer
 from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.lr_schedule import LrSchedule
 from sluice.tasks.spec import TinyLlamaSpec
 from sluice.tasks.tiny_model import build_tiny_llama
 from sluice.trainer.sft import SFT_LOSS, as_sample, batch_rows, mean_nll, sft_micro_batches, sft_step
@@ -151,3 +152,28 @@ def test_a_bad_row_stops_sluice_sft_with_one_line_naming_it(chat_model, tmp_path
     assert main(["sft", *overrides(chat_model, data, tmp_path, "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: {data} line 2: no assistant turn to train on (roles: user)"
+
+
+def test_the_built_in_warm_start_steps_like_sluice_sft_on_the_same_rows(chat_model):
+    """``tasks/warm_start`` draws its rows from a generator; each step is ``sluice sft``'s."""
+    from transformers import AutoModelForCausalLM
+
+    from sluice.data.conversations import plain_tokens
+    from sluice.tasks.warm_start import sft_warm_start
+
+    tok = chat_tokenizer(None)
+    pairs = [(f"ab{'c' * k}", f"{'d' * k}ba") for k in range(1, 7)]
+
+    def demonstration(rng):
+        return pairs[rng.randrange(len(pairs))]
+
+    warm = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32)
+    losses = sft_warm_start(warm, tok, demonstration, steps=3, batch_size=4, lr=1e-2, seed=5, warmup_steps=2)
+    model = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32)
+    engine = HFTrainEngine(model, lr=1e-2, betas=(0.9, 0.98), lr_schedule=LrSchedule("constant", 2, 3))
+    rng = random.Random(5)
+    for step in range(3):
+        rows = [as_sample(*plain_tokens(tok, *demonstration(rng)), k) for k in range(4)]
+        assert sft_step(engine, rows, 1 << 30)["loss"] == losses[step]
+    for a, b in zip(warm.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)

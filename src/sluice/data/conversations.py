@@ -57,6 +57,15 @@ class ExampleSet:
     filtered: Counter[str] = field(default_factory=Counter)
 
 
+def plain_tokens(tokenizer: Any, prompt: str, response: str, train_all: bool = False) -> tuple[list[int], list[int]]:
+    """Ids of an untemplated prompt (with the tokenizer's special tokens), response and ``eos``,
+    and the trained tokens: the response and ``eos`` (``train_all``: every token after the first)."""
+    p = list(tokenizer(prompt)["input_ids"])
+    r = [*tokenizer(response, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    first = 1 if train_all else len(p)
+    return p + r, [0] * first + [1] * (len(p) + len(r) - first)
+
+
 class ConversationRenderer:
     """One run's row rendering (``data`` and ``sft`` sections, the model's tokenizer)."""
 
@@ -119,11 +128,8 @@ class ConversationRenderer:
         """Untemplated: ``prompt`` with the tokenizer's special tokens, ``response`` and ``eos``."""
         if not response:
             raise DatasetError(f"{where}: the response at {self.sft.response_key!r} is empty: nothing to train on")
-        p = list(self.tokenizer(prompt)["input_ids"])
-        r = [*self.tokenizer(response, add_special_tokens=False)["input_ids"], self.tokenizer.eos_token_id]
-        first = 1 if self.sft.train_on == "all" else len(p)
-        train = [0] * first + [1] * (len(p) + len(r) - first)
-        return SftExample(tuple(p + r), tuple(train), where)
+        ids, train = plain_tokens(self.tokenizer, prompt, response, self.sft.train_on == "all")
+        return SftExample(tuple(ids), tuple(train), where)
 
     def _templated(self, messages: list[dict[str, str]], where: str, key: str) -> SftExample:
         """A conversation (the system prompt put first) through the chat template."""
