@@ -97,3 +97,16 @@ def chat_tokenizer(template: str | None = CHAT_TEMPLATE):
     from sluice.tasks.tiny_model import build_char_tokenizer
 
     return build_char_tokenizer(CHAT_ALPHABET, chat_template=template)
+
+
+def save_chat_model(path: Path) -> Path:
+    """A random tiny Llama (hidden 32, 2 layers, 64 positions) with ``chat_tokenizer()``, saved."""
+    from sluice.tasks.spec import TinyLlamaSpec
+    from sluice.tasks.tiny_model import build_tiny_llama
+
+    tok = chat_tokenizer()
+    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

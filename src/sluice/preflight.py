@@ -48,9 +48,10 @@ def check_sft(cfg: SluiceConfig) -> None:
         raise ConfigError(
             "data.train_files: sluice sft needs training rows (JSONL, JSON, parquet or a datasets folder)"
         )
-    if cfg.trainer.strategy != "single":
+    if cfg.trainer.strategy != "single" and has_reward(cfg) and cfg.data.val_files:
         raise ConfigError(
-            f"trainer.strategy: sluice sft runs one process for now ('single'), got {cfg.trainer.strategy!r}"
+            f"reward: the accuracy evaluation of sluice sft runs in one process (trainer.strategy: single, got "
+            f"{cfg.trainer.strategy!r}); unset the reward and evaluate final_model with sluice eval"
         )
     if has_reward(cfg) and cfg.data.val_files and cfg.rollout.max_new_tokens is None:
         raise ConfigError("rollout.max_new_tokens: the accuracy evaluation of sluice sft needs a response limit")

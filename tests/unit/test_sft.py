@@ -16,22 +16,14 @@ from sluice.controller.sft import run_sft
 from sluice.data.conversations import ConversationRenderer
 from sluice.engines.hf_train import HFTrainEngine
 from sluice.engines.lr_schedule import LrSchedule
-from sluice.tasks.spec import TinyLlamaSpec
-from sluice.tasks.tiny_model import build_tiny_llama
 from sluice.trainer.sft import SFT_LOSS, as_sample, batch_rows, mean_nll, sft_micro_batches, sft_step
-from tiny import CHAT_TEMPLATE, chat_tokenizer
+from tiny import CHAT_TEMPLATE, chat_tokenizer, save_chat_model
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A random tiny Llama whose character tokenizer has ``CHAT_TEMPLATE`` as its chat template."""
-    path = tmp_path_factory.mktemp("sft_model")
-    tok = chat_tokenizer()
-    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("sft_model"))
 
 
 def chats(n, seed):
@@ -121,7 +113,9 @@ def test_resume_continues_the_same_rows_and_state(chat_model, tmp_path):
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step_000003"]
     result = run_sft(load_config(None, [*args, "run.resume=auto"]))  # as if killed after step 3
     resumed = train_losses(tmp_path / "r")
-    assert result.steps == 6 and sorted(resumed) == [1, 2, 3, 4, 5, 6]  # the redone steps' lines replaced
+    assert (
+        result.resumed_from == 3 and result.steps == 6 and sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    )  # the redone steps' lines replaced
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(straight[step], abs=1e-6)
     assert straight[6] < straight[1]

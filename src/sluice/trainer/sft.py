@@ -10,8 +10,8 @@ LoRA and LR schedule. ``SftLoss`` is the ``Algorithm`` whose loss is the negativ
 summed over trained tokens, normalised by the step's trained tokens. The order of rows over epochs
 (``batch_rows``) is a pure function of the step, so a resumed run continues the same order.
 
-Deliberately not here: reading or rendering rows (``data/``), evaluation, checkpoints and logs
-(``controller/sft.py``).
+Deliberately not here: reading or rendering rows (``data/``), which rank trains which rows,
+evaluation, checkpoints and logs (``controller/sft.py``).
 """
 
 from __future__ import annotations
@@ -73,18 +73,28 @@ def sft_micro_batches(samples: Sequence[Sample], micro_batch_tokens: int) -> lis
     return plan_step(samples, SFT_LOSS, micro_batch_tokens)
 
 
-def sft_step(engine: TrainEngine, samples: Sequence[Sample], micro_batch_tokens: int) -> dict[str, float]:
-    """One optimizer step on ``samples``; the engine's totals (``loss``: the token-mean NLL)."""
-    return run_step(engine, sft_micro_batches(samples, micro_batch_tokens), SFT_LOSS, SFT_LOSS.normaliser(samples))
+def sft_step(
+    engine: TrainEngine, samples: Sequence[Sample], micro_batch_tokens: int, normaliser: float | None = None
+) -> dict[str, float]:
+    """One optimizer step on ``samples``; the engine's totals (``loss``: the token-mean NLL).
+    ``normaliser``: the whole step's trained tokens when ``samples`` is one rank's share of it."""
+    scale = normaliser if normaliser is not None else SFT_LOSS.normaliser(samples)
+    return run_step(engine, sft_micro_batches(samples, micro_batch_tokens), SFT_LOSS, scale)
 
 
-def mean_nll(engine: TrainEngine, samples: Sequence[Sample]) -> float:
-    """Token-mean NLL of the trained tokens of ``samples`` under the current weights (no grad)."""
+def nll_sums(engine: TrainEngine, samples: Sequence[Sample]) -> tuple[float, float]:
+    """(summed NLL, count) of the trained tokens of ``samples`` under the current weights (no grad)."""
     logprobs = engine.logprobs(samples, 1.0)
     total = sum(
         -lp for s, row in zip(samples, logprobs, strict=True) for lp, m in zip(row, s.loss_mask, strict=True) if m
     )
-    return total / SFT_LOSS.normaliser(samples)
+    return total, float(sum(sum(s.loss_mask) for s in samples))
+
+
+def mean_nll(engine: TrainEngine, samples: Sequence[Sample]) -> float:
+    """Token-mean NLL of the trained tokens of ``samples`` under the current weights (no grad)."""
+    total, count = nll_sums(engine, samples)
+    return total / max(count, 1.0)
 
 
 def total_steps(rows: int, batch_size: int, epochs: float, steps: int | None) -> int:
