@@ -125,8 +125,9 @@ def test_sluice_sft_writes_metrics_evaluations_and_a_final_model_train_takes(cha
     train = write_jsonl(tmp_path / "train.jsonl", chats(24, seed=3))
     val = write_jsonl(tmp_path / "val.jsonl", chats(6, seed=4))
     args = overrides(chat_model, train, tmp_path, "e", f"data.val_files={val}", "sft.epochs=2", "run.eval_every=3")
-    assert main(["sft", *args]) == 0
+    assert main(["sft", *args, "tracking.plot=true", "tracking.trackers=[tensorboard]"]) == 0
     run_dir = tmp_path / "e"
+    assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and list((run_dir / "tensorboard").iterdir())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 3, 6]  # 2 epochs of 24 rows in batches of 8

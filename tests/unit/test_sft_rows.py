@@ -144,3 +144,10 @@ def test_rows_over_the_context_are_dropped_and_counted_or_refused(tmp_path):
     kept = renderer(max_length=20).build(read_rows(_write(tmp_path, "bad.jsonl", rows)))
     assert len(kept.examples) == 1 and kept.filtered[TOO_LONG] == 1
     assert "over sft.max_length (20)" in _one_line_error(renderer(max_length=20, long_rows="error"), rows, tmp_path)
+
+
+def test_a_row_with_nothing_to_train_on_is_one_line_naming_it(tmp_path):
+    rows = [{"messages": CHAT}, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}]
+    assert "no token to train on" in _one_line_error(
+        renderer(template=TEMPLATE.replace("eos_token", "''")), rows, tmp_path
+    )

@@ -29,7 +29,7 @@ from typing import Any
 from sluice.config.data import DataConfig
 from sluice.config.sft import SftConfig
 from sluice.data.chat import ChatRenderer, chat_messages
-from sluice.data.mapping import _MISSING, lookup, require
+from sluice.data.mapping import has, lookup, require
 from sluice.data.readers import DatasetError, RowSet
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class ConversationRenderer:
         for k, row in enumerate(rows.rows):
             where = rows.where(k)
             example = self.example(row, where)
+            if not any(example.train):
+                raise DatasetError(f"{where}: no token to train on (sft.train_on: {self.sft.train_on!r})")
             if len(example.ids) <= self.max_length:
                 out.examples.append(example)
                 continue
@@ -106,9 +108,9 @@ class ConversationRenderer:
         """One row's ids and loss tokens."""
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected a mapping, got {type(row).__name__}")
-        conversation = lookup(row, self.sft.messages_key)
-        if conversation is not _MISSING:
-            messages, key = chat_messages(conversation, where, self.sft.messages_key), self.sft.messages_key
+        if has(row, self.sft.messages_key):
+            key = self.sft.messages_key
+            messages = chat_messages(lookup(row, key), where, key)
             return self._templated(messages, where, key)
         prompt = require(row, self.data.prompt_key, where, "prompt", "data.prompt_key")
         response = require(row, self.sft.response_key, where, "response", "sft.response_key")
