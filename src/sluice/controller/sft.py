@@ -85,7 +85,9 @@ def load_sft_data(cfg: SluiceConfig, model_dir: str | Path) -> SftData:
     renderer = ConversationRenderer(tokenizer, cfg.data, cfg.sft, limit)
     train, val = _examples(renderer, cfg.data.train_files), _examples(renderer, cfg.data.val_files)
     if not train.examples:
-        raise DatasetError(f"no training rows left: all {train.filtered['too_long']} are over sft.max_length ({limit})")
+        dropped = train.filtered["too_long"]
+        why = f"all {dropped} are over sft.max_length ({limit})" if dropped else "the files hold none"
+        raise DatasetError(f"data.train_files: no training rows: {why}")
     samples = [as_sample(e.ids, e.train, i) for i, e in enumerate(train.examples)]
     held = [as_sample(e.ids, e.train, i) for i, e in enumerate(val.examples)]
     return SftData(samples, held, sum(train.filtered.values()) + sum(val.filtered.values()), tokenizer)
