@@ -89,15 +89,16 @@ def run_sluice(model: Path, train: Path, val: Path, args: argparse.Namespace, wo
 
 
 def _sluice_val_loss(model: Path, final: Path, train: Path, val: Path) -> float:
-    """The final model's validation loss (``mean_nll`` over the rendered validation rows)."""
+    """The final model's validation loss (token-mean NLL over the rendered validation rows)."""
     from sluice.config import load_config
     from sluice.controller.sft import load_sft_data
     from sluice.trainer.sections import train_engine
-    from sluice.trainer.sft import mean_nll
+    from sluice.trainer.sft import nll_sums
 
     cfg = load_config(None, [f"model.path={final}", f"data.train_files={train}", f"data.val_files={val}"])
     data = load_sft_data(cfg, final)
-    return mean_nll(train_engine(final, cfg.trainer, 1.0, 1), data.val)
+    total, count = nll_sums(train_engine(final, cfg.trainer, 1.0, 1), data.val)
+    return total / count
 
 
 def run_trl(model: Path, train: Path, val: Path, args: argparse.Namespace, work: Path) -> dict:

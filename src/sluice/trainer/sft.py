@@ -91,12 +91,6 @@ def nll_sums(engine: TrainEngine, samples: Sequence[Sample]) -> tuple[float, flo
     return total, float(sum(sum(s.loss_mask) for s in samples))
 
 
-def mean_nll(engine: TrainEngine, samples: Sequence[Sample]) -> float:
-    """Token-mean NLL of the trained tokens of ``samples`` under the current weights (no grad)."""
-    total, count = nll_sums(engine, samples)
-    return total / max(count, 1.0)
-
-
 def total_steps(rows: int, batch_size: int, epochs: float, steps: int | None) -> int:
     """Optimizer steps of a run: ``steps``, or ``ceil(epochs × rows ÷ batch_size)``."""
     return steps if steps is not None else max(1, math.ceil(epochs * rows / batch_size))
