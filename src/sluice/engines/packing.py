@@ -153,8 +153,8 @@ def _row_layout(
 def _family_mask(family: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     """``[B, 1, T, T]`` boolean: True where query q may attend key k (causal, same family, key in
     the prompt or in q's own response); padding attends only to itself. Boolean, not an additive
-    float mask: torch's CPU attention runs a boolean mask 2-2.5× faster (``benchmarks/sft_vs_trl.py``
-    measured the packed SFT step), with the same scores."""
+    float mask: torch's CPU attention runs it faster with the same scores (a packed step of 32 SFT
+    rows of ~110 tokens 2.5x, the default task's GRPO step 1.1x)."""
     width = family.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     fq, fk = family[:, :, None], family[:, None, :]
