@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +135,18 @@ def run_sft(cfg: SluiceConfig, progress: TrainProgress | None = None) -> SftResu
 
 
 def _other_rank(cfg: SluiceConfig, rank: int, world: int, address: str) -> None:
-    _run_rank(cfg, (address, world), None, rank)
+    """A spawned rank's run, then an immediate exit: once the process group is gone, tearing down
+    the interpreter could block in a ``torch.distributed`` object's destructor (seen with DDP), and
+    rank 0 waits for this process to end."""
+    code = 0
+    try:
+        _run_rank(cfg, (address, world), None, rank)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_rank(
