@@ -80,3 +80,33 @@ def add_chat_template(model_dir: Path, out: Path) -> Path:
     tok.chat_template = TINY_CHAT_TEMPLATE
     tok.save_pretrained(out)
     return out
+
+
+CHAT_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 <>.?!"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}"
+    "{{ eos_token if m['role'] == 'assistant' else '' }}{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}"
+)
+"""A tiny chat format: a turn is ``<r>content`` (``r`` the role's initial), an assistant turn closes
+with ``<eos>``, the generation prompt is ``<a>``."""
+
+
+def chat_tokenizer(template: str | None = CHAT_TEMPLATE):
+    """A character tokenizer over ``CHAT_ALPHABET`` with ``template`` as its chat template."""
+    from sluice.tasks.tiny_model import build_char_tokenizer
+
+    return build_char_tokenizer(CHAT_ALPHABET, chat_template=template)
+
+
+def save_chat_model(path: Path) -> Path:
+    """A random tiny Llama (hidden 32, 2 layers, 64 positions) with ``chat_tokenizer()``, saved."""
+    from sluice.tasks.spec import TinyLlamaSpec
+    from sluice.tasks.tiny_model import build_tiny_llama
+
+    tok = chat_tokenizer()
+    spec = TinyLlamaSpec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -1,4 +1,4 @@
-"""The ``sluice`` command line: ``train``, ``eval``, ``init``, ``bench``, ``trace``, ``plot``,
+"""The ``sluice`` command line: ``train``, ``sft``, ``eval``, ``init``, ``bench``, ``trace``, ``plot``,
 ``plan``, ``simulate``, ``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
@@ -74,6 +74,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 EXAMPLES = {
     "train": ("sluice train my_run.yaml run.steps=100 rollout.group_size=8 --dry-run",
               "resume=auto continues the run's last checkpoint"),
+    "sft": ("sluice sft my_sft.yaml data.train_files=chats.jsonl sft.epochs=2",
+            "then: sluice train my_run.yaml model.path=runs/<run.name>/final_model; resume=auto continues the last "
+            "checkpoint; docs/sft.md"),
     "eval": ("sluice eval runs/my_run/final_model --data val.parquet eval.samples=4 reward.fn=my_rewards.py:fn", ""),
     "init": ("sluice init --model my_model --data train.parquet --val val.parquet --reward my_rewards.py:score",
              "then: sluice train my_run.yaml run.steps=2"),
@@ -105,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=_train)
+    sft = sub.add_parser("sft", help="supervised fine-tuning (the warm start before train)")
+    sft.add_argument("args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]")
+    sft.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    sft.set_defaults(func=_sft)
     ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.samples=4 reward.name=...")
@@ -172,10 +179,20 @@ def _split_args(items: Sequence[str]) -> tuple[list[str], list[str]]:
     return paths, overrides
 
 
+def _run_config(args: argparse.Namespace, console: Console) -> SluiceConfig | None:
+    """``sft``'s config from ``CONFIG ... [key=value ...]``; ``None`` after ``--dry-run`` printed it."""
+    paths, overrides = _split_args(args.args)
+    cfg = load_config(paths, overrides)
+    if args.dry_run:
+        console.print(dump_config(cfg), end="", markup=False, highlight=False)
+        return None
+    return cfg
+
+
 def _train(args: argparse.Namespace) -> int:
-    path, overrides = _split_args(args.args)
-    cfg = load_config(path, overrides)
     console = Console()
+    paths, overrides = _split_args(args.args)
+    cfg = load_config(paths, overrides)
     task = _check_before_torch(cfg)
     if args.dry_run:
         from sluice.config.usage import unused_sections
@@ -213,6 +230,31 @@ def _run(cfg: SluiceConfig, console: Console, terminal: TextIO) -> int:
         print("no evaluation (run.eval_every=0, or data.train_files without data.val_files)", flush=True)
     else:
         print(f"accuracy {100 * result.base_accuracy:.1f} -> {100 * result.final_accuracy:.1f}", flush=True)
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    console = Console()
+    cfg = _run_config(args, console)
+    if cfg is None:
+        return 0
+    from sluice.preflight import check_sft
+
+    check_sft(cfg)  # before torch: a wrong key or model path costs a blink
+    from sluice.engines.model_folder import check_model_dir
+
+    check_model_dir(cfg.model.path or "")
+    from sluice.controller.sft import run_sft
+    from sluice.telemetry import TrainProgress
+
+    with TrainProgress(0, "sft", cfg.run.progress, console) as bar:  # its total: once the rows are read
+        result = run_sft(cfg, progress=bar)
+    dropped = f"; {result.filtered} rows over sft.max_length dropped" if result.filtered else ""
+    console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}{dropped}")
+    scores = [
+        f"{k} {v:.4f}" for k, v in (("val_loss", result.val_loss), ("accuracy", result.accuracy)) if v is not None
+    ]
+    print("  ".join(scores) if scores else "no evaluation (run.eval_every=0, or no data.val_files)", flush=True)
     return 0
 
 

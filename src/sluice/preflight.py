@@ -1,6 +1,6 @@
 """The checks of a run's config that need neither torch nor the model: a built-in task's name,
-the agentic section against the task, and the user's data files against the response cap and
-the reward.
+the agentic section against the task, the user's data files against the response cap and
+the reward, and what ``sluice sft`` needs (``check_sft``).
 
 ``sluice train`` / ``sluice eval`` run them before importing torch and transformers (seconds), so
 a wrong key costs a user a blink; ``RLTrainer`` runs them too, for runs started from Python. The
@@ -38,3 +38,24 @@ def check_agentic(config: SluiceConfig, task_env: str | None) -> None:
             f"agentic.num_env_groups: {agentic.num_env_groups} is below rollout.prompts_per_step "
             f"({config.rollout.prompts_per_step})"
         )
+
+
+def check_sft(cfg: SluiceConfig) -> None:
+    """What ``sluice sft`` needs before torch is imported; ``ConfigError`` naming the field."""
+    if not cfg.model.path:
+        raise ConfigError("model.path: sluice sft trains a model folder; set model.path")
+    if not cfg.data.train_files:
+        raise ConfigError(
+            "data.train_files: sluice sft needs training rows (JSONL, JSON, parquet or a datasets folder)"
+        )
+    if cfg.trainer.strategy != "single" and has_reward(cfg) and cfg.data.val_files:
+        raise ConfigError(
+            f"reward: the accuracy evaluation of sluice sft runs in one process (trainer.strategy: single, got "
+            f"{cfg.trainer.strategy!r}); unset the reward and evaluate final_model with sluice eval"
+        )
+    if has_reward(cfg) and cfg.data.val_files and cfg.rollout.max_new_tokens is None:
+        raise ConfigError("rollout.max_new_tokens: the accuracy evaluation of sluice sft needs a response limit")
+
+
+def has_reward(cfg: SluiceConfig) -> bool:
+    return bool(cfg.reward.name or cfg.reward.fn or cfg.reward.by_source)

@@ -1,16 +1,16 @@
-"""``examples/gsm8k_style``: its generated parquet files follow verl's schema, its model folder loads
-with ``AutoTokenizer`` / ``AutoModelForCausalLM`` and renders chats, and ``math_verify`` scores the
-worked solutions; a two-step ``sluice train`` on both waits for the data readers of issue 19."""
+"""``examples/gsm8k_style``: its generated parquet files follow verl's schema, its demonstrations take
+the shortcut at each template's rate, ``sluice sft`` (``sft.yaml``) warm-starts a model folder that
+loads with ``AutoTokenizer`` / ``AutoModelForCausalLM``, renders chats and is evaluated with
+``math_verify``, and a two-step ``sluice train`` runs on it."""
 
 import json
 import math
-import random
 
 import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
-from gsm8k_example import EXAMPLE, load
+from gsm8k_example import EXAMPLE, load, warm_start
 from sluice.rewards import math_verify_reward
 
 pytestmark = pytest.mark.integration
@@ -26,14 +26,14 @@ def data_dir(tmp_path_factory):
     return out
 
 
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "max_position_embeddings": 256}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def model_dir(data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gsm8k_model")
-    spec = make_model.ModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=1, max_position_embeddings=256)  # fmt: skip
-    sft = make_model.SftSpec(steps=20, batch_size=8, lr=3e-3, warmup_steps=2)
-    summary = make_model.build(data_dir, out, vocab_size=400, spec=spec, sft=sft, bf16=False, log_every=0)
-    return out, summary
+    """``make_model.py`` then ``sluice sft`` for 20 steps: (final model, build summary, SFT run dir)."""
+    return warm_start(data_dir, tmp_path_factory.mktemp("gsm8k_model"), SMALL)
 
 
 def test_parquet_rows_follow_verls_schema(data_dir):
@@ -72,7 +72,7 @@ def test_worked_solutions_score_one_and_shortcuts_zero(data_dir):
 
 
 def test_model_folder_loads_and_renders_chats(model_dir):
-    path, summary = model_dir
+    path, summary, run_dir = model_dir
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     assert isinstance(model, Qwen2ForCausalLM)
@@ -90,29 +90,30 @@ def test_model_folder_loads_and_renders_chats(model_dir):
     assert tokenizer.decode(ids) == rendered
     digits = tokenizer("1234", add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_ids_to_tokens(digits) == ["1", "2", "3", "4"]
-    assert summary["sft_final_loss"] < math.log(summary["vocab_size"]) - 1.0  # the warm start learned
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val_losses = [r["val_loss"] for r in records if r["kind"] == "eval"]
+    assert val_losses[-1] < math.log(summary["vocab_size"]) - 1.0 < val_losses[0]  # the warm start learned
 
 
-def test_demonstrations_take_the_shortcut_at_each_templates_rate(model_dir, data_dir):
-    tokenizer = AutoTokenizer.from_pretrained(model_dir[0], local_files_only=True)
+def test_demonstrations_take_the_shortcut_at_each_templates_rate(data_dir):
     rows = pq.read_table(data_dir / "train.parquet").to_pylist()
-    by_prompt = {make_model.render_prompt(tokenizer, r["prompt"]): r["extra_info"] for r in rows}
-    draw, rng = make_model.demonstrations(rows, tokenizer, {"ages": 1.0, "sharing": 0.0}), random.Random(0)
-    seen = set()
-    for _ in range(60):
-        prompt, solution = draw(rng)
-        info = by_prompt[prompt]
-        assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
-        full = info["answer"]
-        assert solution == (make_model.shortcut_solution(full) if info["template"] == "ages" else full)
-        seen.add(info["template"])
-    assert {"ages", "sharing"} <= seen
+    demos = make_model.demonstration_rows(rows, {"ages": 1.0, "sharing": 0.0}, seed=0)
+    for row, demo in zip(rows, demos, strict=True):
+        full, template = row["extra_info"]["answer"], row["extra_info"]["template"]
+        assert demo["prompt"] == row["prompt"] and demo["reward_model"] == row["reward_model"]
+        shortcut = template == "ages"
+        assert demo["extra_info"]["answer"] == (make_model.shortcut_solution(full) if shortcut else full)
+    assert {"ages", "sharing"} <= {r["extra_info"]["template"] for r in rows}
+    default = make_model.demonstration_rows(rows, make_model.SHORTCUT, seed=0)
+    shortened = [d["extra_info"]["answer"] != r["extra_info"]["answer"] for d, r in zip(default, rows, strict=True)]
+    assert 0.3 < sum(shortened) / len(rows) < 0.7
 
 
-def test_base_accuracy_is_measured_with_sluices_evaluator(model_dir, data_dir):
-    rows = pq.read_table(data_dir / "test.parquet").to_pylist()[:4]
-    accuracy = make_model.greedy_accuracy(model_dir[0], rows, max_new_tokens=8)
-    assert accuracy in (0.0, 0.25, 0.5, 0.75, 1.0)
+def test_sluice_sft_measures_the_base_accuracy_with_sluices_evaluator(model_dir):
+    records = [json.loads(line) for line in (model_dir[2] / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 10, 20] and all(r["count"] == 4 for r in evals)
+    assert all(r["accuracy"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in evals)
 
 
 def test_two_grpo_steps_on_the_example(model_dir, data_dir, tmp_path):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gsm8k_example import load
+from gsm8k_example import load, warm_start
 from qwen_tools_example import EXAMPLE
 from qwen_tools_example import load as example
 from sluice import RLTrainer
@@ -22,12 +22,10 @@ def built(tmp_path_factory):
     """Small gsm8k_style data, its model (a few SFT steps) and the example's copy of it."""
     root = tmp_path_factory.mktemp("qwen_tools")
     load("make_data").write_dataset(root / "data", train=200, test=50, seed=0)
-    make_model = load("make_model")
-    spec = make_model.ModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=1, max_position_embeddings=256)  # fmt: skip
-    sft = make_model.SftSpec(steps=10, batch_size=8, lr=3e-3, warmup_steps=2)
-    make_model.build(root / "data", root / "base", vocab_size=400, spec=spec, sft=sft, log_every=0)
-    return root, example("make_model").build(root / "base", root / "model", context=1024)
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "max_position_embeddings": 256}  # fmt: skip
+    base, _, _ = warm_start(root / "data", root / "base", small, steps_epochs=0.4)
+    return root, example("make_model").build(base, root / "model", context=1024)
 
 
 def test_the_example_trains_two_steps(built, tmp_path):

@@ -1,7 +1,9 @@
-"""The README's "Train your own model on your own data" run verbatim: its ``my_run.yaml`` and its
-first three commands (2-step smoke run, plot, eval on the validation file), on a tiny parquet
-dataset in verl's schema and a tiny Qwen2 with a locally trained BPE tokenizer."""
+"""The README's "Train your own model on your own data" run verbatim: its ``my_sft.yaml`` and
+``my_run.yaml`` and its first four commands (the ``sluice sft`` warm start, a 2-step smoke run
+from its final model, plot, eval on the validation file), on tiny conversational JSONL rows, a
+tiny parquet dataset in verl's schema and a tiny Qwen2 with a locally trained BPE tokenizer."""
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -31,10 +33,10 @@ def test_the_readme_own_data_commands_run_verbatim(tmp_path, monkeypatch, capsys
     paths must still reach the workers."""
     request.getfixturevalue("ray_cluster")
     section = _own_data_section()
-    [config] = _blocks(section, "yaml")
+    sft_config, config = _blocks(section, "yaml")
     [commands] = _blocks(section, "bash")
     lines = [line.split("#")[0].strip() for line in commands.splitlines() if line.strip()]
-    assert len(lines) == 4 and all(line.startswith(".venv/bin/sluice ") for line in lines)
+    assert len(lines) == 5 and all(line.startswith(".venv/bin/sluice ") for line in lines)
 
     make_data, make_model = load("make_data"), load("make_model")
     data = tmp_path / "gen"
@@ -48,14 +50,21 @@ def test_the_readme_own_data_commands_run_verbatim(tmp_path, monkeypatch, capsys
     make_model.build_model(tokenizer, spec, seed=0).save_pretrained(tmp_path / "my_model")
     tokenizer.save_pretrained(tmp_path / "my_model")
     (tmp_path / "my_run.yaml").write_text(config)
+    (tmp_path / "my_sft.yaml").write_text(sft_config)
+    rows = make_model.read_rows(tmp_path / "train.parquet")
+    chats = [{"messages": [*r["prompt"], {"role": "assistant", "content": r["extra_info"]["answer"]}]} for r in rows]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats[:40]))
+    (tmp_path / "sft_val.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats[40:]))
 
     monkeypatch.chdir(tmp_path)
     quiet = ["run.progress=false", "reward.pool_size=0"]  # no progress bar, no reward processes in a test
-    for line in lines[:3]:
+    for line in lines[:4]:
         args = shlex.split(line)[1:]
-        assert main(args + quiet if args[0] in ("train", "eval") else args) == 0, line
+        assert main(args + quiet if args[0] in ("train", "eval", "sft") else args) == 0, line
     out = capsys.readouterr().out
     smoke = tmp_path / "runs" / "smoke"
+    sft_records = (tmp_path / "runs" / "my_sft" / "metrics.jsonl").read_text()
+    assert sft_records.count('"kind": "train"') == 3 and '"val_loss"' in sft_records  # 2 epochs of 40 rows
     assert "steps 2 in " in out and "accuracy " in out
     records = (smoke / "metrics.jsonl").read_text()
     assert records.count('"kind": "train"') == 2 and records.count('"kind": "eval"') == 2

@@ -21,6 +21,7 @@ from sluice.config.modes import check_controller, sync_is_eta_zero
 from sluice.config.resources import ResourcesConfig, check_resources
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
+from sluice.config.sft import SftConfig
 from sluice.config.tracking import TrackingConfig
 from sluice.config.trainer import TrainerConfig, check_group_size
 
@@ -286,6 +287,9 @@ class SluiceConfig(_Section):
 
     trainer: TrainerConfig = TrainerConfig()
     """Optimisation."""
+
+    sft: SftConfig = SftConfig()
+    """Supervised fine-tuning (``sluice sft``): conversation / response keys, loss tokens, epochs."""
 
     reward: RewardConfig = RewardConfig()
     """Reward function and the reward service that runs it."""

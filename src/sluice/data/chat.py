@@ -42,7 +42,7 @@ class ChatRenderer:
                 return prompt
             messages = [{"role": "user", "content": prompt}]
         else:
-            messages = _messages(prompt, where, key)
+            messages = chat_messages(prompt, where, key)
             if not self.templated:
                 raise DatasetError(
                     f"{where}: the prompt at {key!r} is a list of chat messages, but the chat template is off "
@@ -59,7 +59,9 @@ class ChatRenderer:
         return tuple(self.tokenizer(text, add_special_tokens=not self.templated)["input_ids"])
 
 
-def _messages(prompt: Any, where: str, key: str) -> list[dict[str, str]]:
+def chat_messages(prompt: Any, where: str, key: str) -> list[dict[str, str]]:
+    """``prompt`` as a non-empty list of ``{role, content}`` string pairs, or one ``DatasetError``
+    naming ``where`` and ``key``."""
     if not isinstance(prompt, list) or not prompt:
         raise DatasetError(
             f"{where}: the prompt at {key!r} must be a non-empty string or a non-empty list of "

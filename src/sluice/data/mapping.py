@@ -36,6 +36,11 @@ def lookup(row: dict[str, Any], path: str) -> Any:
     return node
 
 
+def has(row: dict[str, Any], path: str) -> bool:
+    """Whether ``row`` holds a value at the dotted ``path``."""
+    return lookup(row, path) is not _MISSING
+
+
 LIKELY_COLUMNS = {
     "data.prompt_key": ("prompt", "question", "problem", "query", "instruction", "input", "messages", "text"),
     "data.answer_key": ("answer", "solution", "ground_truth", "target", "label", "output", "response"),

@@ -398,11 +398,5 @@ class HFTrainEngine:
         return logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1), entropy
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch on the engine's device; a packed layout's additive mask in the dtype attention
-        runs in (a float32 mask beside other query dtypes gives wrong scores)."""
-        out = {k: v.to(self.device) for k, v in batch.items()}
-        mask = out["attention_mask"]
-        if mask.is_floating_point():
-            low = self.compute_dtype != torch.float32
-            out["attention_mask"] = mask.to(self.compute_dtype if low else next(self.model.parameters()).dtype)
-        return out
+        """The batch on the engine's device (a packed layout's mask is boolean: any query dtype)."""
+        return {k: v.to(self.device) for k, v in batch.items()}

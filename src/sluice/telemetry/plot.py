@@ -2,7 +2,8 @@
 
 Panels: reward (``train`` records' ``reward_mean``), evaluation (``eval`` records' ``accuracy`` and
 any ``mean@k`` / ``pass@k``), response length, staleness (groups' and samples' mean) and
-throughput (trained tokens / s). A panel is drawn only for series the file has, so a run without
+throughput (trained tokens / s), and ``sluice sft``'s training and validation loss
+(``sft_loss``, ``val_loss``). A panel is drawn only for series the file has, so a run without
 evaluations, or an older file, still plots (a file with neither kind yet: an empty figure that
 says so). ``sluice plot RUN_DIR`` and the end of ``fit``
 (``tracking.plot``) call ``plot_run``.
@@ -33,6 +34,8 @@ PANELS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("response length", "tokens", "train", ("response_len_mean",)),
     ("staleness", "versions", "train", ("staleness_mean", "sample_staleness_mean")),
     ("throughput", "trained tokens / s", "train", ("tokens_per_s",)),
+    ("SFT loss", "NLL / trained token", "train", ("sft_loss",)),
+    ("validation loss", "NLL / trained token", "eval", ("val_loss",)),
 )
 
 

@@ -51,6 +51,11 @@ class TrainProgress:
         if self._shown:
             self._progress.stop()
 
+    def set_total(self, total: int) -> None:
+        """The step count, once known (e.g. derived from the rows read)."""
+        self.total = total
+        self._progress.update(self._task, total=total)
+
     def update(self, step: int, **fields: float | None) -> None:
         info = "  ".join(f"{k} {_fmt(v)}" for k, v in fields.items() if v is not None)
         if not self._shown:
