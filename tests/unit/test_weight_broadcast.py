@@ -4,8 +4,8 @@ after each versioned broadcast; publishing never waits for the receiver."""
 from __future__ import annotations
 
 import io
-import os
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
