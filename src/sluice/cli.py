@@ -408,7 +408,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _disk_fault(err: OSError) -> Exception | None:
-    from sluice.runtime.disk_faults import diagnose
+    from sluice.telemetry.disk_faults import diagnose
 
     return diagnose(err, Path.cwd())
 

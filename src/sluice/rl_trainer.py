@@ -43,7 +43,6 @@ from sluice.preflight import preflight
 from sluice.rewards import build_reward_service, check_reward
 from sluice.rollout.agentic import env_rollout_spec
 from sluice.rollout.evaluate import EvalResult, evaluate
-from sluice.runtime.disk_faults import disk_faults
 from sluice.runtime.pipelines import PipelineSpec
 from sluice.runtime.preemption import Preemption, RunPreempted, preemptible
 from sluice.runtime.processes import run_tag, tagged_run
@@ -51,6 +50,7 @@ from sluice.runtime.run_lock import run_dir_lock
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.spec import TaskSpec, eval_rows, generate_rows
 from sluice.telemetry import TrainProgress
+from sluice.telemetry.disk_faults import disk_faults
 from sluice.telemetry.plot import plot_run
 from sluice.trainer.worker import TRAIN_TASK
 

@@ -1,4 +1,4 @@
-"""A write the disk refused is one line naming the cause and the file (``runtime/disk_faults.py``),
+"""A write the disk refused is one line naming the cause and the file (``telemetry/disk_faults.py``),
 whatever wraps the ``OSError``; other errors pass through untouched."""
 
 import errno
@@ -9,7 +9,7 @@ import pytest
 
 from sluice.cli import main
 from sluice.runtime import disk_faults as faults
-from sluice.runtime.disk_faults import DiskFault, diagnose, disk_faults
+from sluice.telemetry.disk_faults import DiskFault, diagnose, disk_faults
 from tiny import tiny_run_overrides
 
 

@@ -1,7 +1,7 @@
 """A checkpoint is believed only if its parts agree: its folder name, its manifest, the driver's
 state, the trainer's state and the queue's snapshot.
 
-``check_consistent(path, state)`` runs after ``verify_checkpoint`` (every file is what was written)
+``check_consistent(path, version, cut)`` runs after ``verify_checkpoint`` (every file is what was written)
 and before a checkpoint is resumed from, or an older one is pruned because of it. It checks that
 the step in the folder name (``step_NNNNNN``) is the manifest's ``version``, the driver state's
 ``version`` and the trainer state's ``version``; that the books agree with themselves (no group
@@ -27,31 +27,31 @@ from sluice.schedule.ledger import GroupState
 from sluice.trainer.worker import TRAINER_STATE
 
 if TYPE_CHECKING:
-    from sluice.controller.resume import DriverState
+    from sluice.controller.cut import AsyncCut
 
 _NAME = re.compile(r"step_(\d{6})")
 
 
-def check_consistent(path: Path, state: DriverState) -> None:
+def check_consistent(path: Path, version: int, cut: AsyncCut) -> None:
     """Raise ``CheckpointError`` naming what disagrees in the checkpoint at ``path``, whose driver
-    state is ``state``; return if every part agrees."""
-    problem = _disagreement(path, state)
+    state holds ``version`` and ``cut``; return if every part agrees."""
+    problem = _disagreement(path, version, cut)
     if problem is not None:
         raise CheckpointError(f"run.resume: {path} is inconsistent: {problem}")
 
 
-def _disagreement(path: Path, state: DriverState) -> str | None:
+def _disagreement(path: Path, version: int, cut: AsyncCut) -> str | None:
     manifest = read_manifest(path).get("version")
     named = _NAME.fullmatch(path.name)  # resume=PATH may name a copy: then the manifest's step is the step
     step = int(named[1]) if named else manifest
     if manifest != step:
         return f"its folder name says step {step}, its manifest version {manifest}"
-    if state.version != step:
-        return f"its folder name says step {step}, its driver state (driver.json) version {state.version}"
+    if version != step:
+        return f"its folder name says step {step}, its driver state (driver.json) version {version}"
     trainer = _trainer_version(path)
     if trainer != step:
         return f"its driver state says version {step}, its trainer state ({TRAINER_DIR}/{TRAINER_STATE}) {trainer}"
-    return _books(state) or _queue(state)
+    return _books(version, cut) or _queue(cut)
 
 
 def _trainer_version(path: Path) -> int | str:
@@ -61,13 +61,13 @@ def _trainer_version(path: Path) -> int | str:
     return int(torch.load(file, weights_only=True)["version"])
 
 
-def _books(state: DriverState) -> str | None:
+def _books(version: int, cut: AsyncCut) -> str | None:
     """The driver's books at the cut agree with themselves and with the step."""
-    cut, groups = state.cut, state.cut.ledger.groups
-    late = sorted(g.group_id for g in groups.values() if g.trained_at is not None and g.trained_at > state.version)
+    groups = cut.ledger.groups
+    late = sorted(g.group_id for g in groups.values() if g.trained_at is not None and g.trained_at > version)
     if late:
         at = groups[late[0]].trained_at
-        return f"the ledger has group {late[0]} trained at step {at}, after step {state.version}"
+        return f"the ledger has group {late[0]} trained at step {at}, after step {version}"
     ids = set(groups) | set(cut.reports) | {gid for _, gid in cut.regenerate}
     if ids and max(ids) >= cut.next_group:
         return f"group {max(ids)} is at or past the next group id to admit ({cut.next_group})"
@@ -80,13 +80,13 @@ def _books(state: DriverState) -> str | None:
     return None
 
 
-def _queue(state: DriverState) -> str | None:
+def _queue(cut: AsyncCut) -> str | None:
     """The queue snapshot holds the rows of exactly the groups whose reports wait untrained."""
-    snapshot: dict[str, Any] = state.cut.queue
+    snapshot: dict[str, Any] = cut.queue
     if "storage" not in snapshot:  # a pipeline without a queue snapshot (none written)
         return None
     rows = {int(row[1]) for row in snapshot["storage"]["meta"]}
-    extra, missing = sorted(rows - set(state.cut.reports)), sorted(set(state.cut.reports) - rows)
+    extra, missing = sorted(rows - set(cut.reports)), sorted(set(cut.reports) - rows)
     if extra:
         return f"the queue snapshot holds rows of group {extra[0]}, which has no report in the driver state"
     if missing:

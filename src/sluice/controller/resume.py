@@ -46,9 +46,9 @@ from sluice.controller.consistency import check_consistent
 from sluice.controller.cut import AsyncCut
 from sluice.controller.run_state import LOGS, TrainingRun
 from sluice.rollout.evaluate import EvalResult, EvalScores
-from sluice.runtime.disk_faults import disk_faults
 from sluice.schedule.ledger import GroupLedger, GroupRecord, GroupState
 from sluice.schedule.staleness import StalenessGate
+from sluice.telemetry.disk_faults import disk_faults
 from sluice.trainer.rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def _first_usable(candidates: list[Path], explicit: bool) -> tuple[Path, DriverS
         try:  # deliberately: a damaged checkpoint falls back to the previous one
             verify_checkpoint(path)  # before any file in it is read (the driver's, DCP's metadata)
             state = read_driver_state(path)
-            check_consistent(path, state)  # folder name, manifest, driver, trainer and queue agree
+            check_consistent(path, state.version, state.cut)  # folder name, manifest, driver, trainer, queue agree
             return path, state, failed
         except CheckpointError as err:
             if explicit:
@@ -178,7 +178,8 @@ async def restore_checkpoint(run: TrainingRun, pipeline: CheckpointedPipeline, s
 
 def _believe(path: Path) -> None:
     """A checkpoint just written, read back as a resume would read it: its parts agree."""
-    check_consistent(path, read_driver_state(path))
+    state = read_driver_state(path)
+    check_consistent(path, state.version, state.cut)
 
 
 def _driver_state(run: TrainingRun, version: int, cut: AsyncCut) -> DriverState:

@@ -26,7 +26,6 @@ from sluice.controller.run_state import TrainingRun
 from sluice.dag.loader import write_prompt_file
 from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
-from sluice.runtime.disk_faults import DiskFault, disk_faults
 from sluice.runtime.pipelines import LocalPipeline, PipelineSpec
 from sluice.runtime.preemption import Preemption, RunPreempted
 from sluice.runtime.ray_pipeline import RayPipeline
@@ -35,6 +34,7 @@ from sluice.schedule.failures import FailureBudget, RunStopped
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
 from sluice.telemetry.cpu import CpuMeter
+from sluice.telemetry.disk_faults import DiskFault, disk_faults
 from sluice.telemetry.trace import trace_numbers, write_chrome_trace
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sluice.runtime.disk_faults import disk_faults
+from sluice.telemetry.disk_faults import disk_faults
 
 
 class JsonlMetrics:
