@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from sluice.cli import main
-from sluice.runtime import disk_faults as faults
+from sluice.telemetry import disk_faults as faults
 from sluice.telemetry.disk_faults import DiskFault, diagnose, disk_faults
 from tiny import tiny_run_overrides
 
