@@ -69,7 +69,7 @@ def test_sluice_train_trains_the_agent(warm_start, tmp_path, backend, request):
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     overrides = [
-        f"model.cache_dir={warm_start.parent}", f"run.backend={backend}", "run.steps=2", "run.eval_every=2",
+        f"model.path={warm_start}", f"run.backend={backend}", "run.steps=2", "run.eval_every=2",
         "eval.max_prompts=16", "rollout.prompts_per_step=4", "rollout.group_size=4", "agentic.num_env_groups=5",
         "agentic.group_redundancy=1", "run.threads=1", "run.progress=false", f"run.output_dir={tmp_path}",
         f"run.name=agent-{backend}",

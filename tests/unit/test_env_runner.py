@@ -281,3 +281,18 @@ def test_a_group_aborted_while_its_rows_are_being_written_leaves_none():
     (report,) = run_virtual(run())
     assert report.discard_reason == "redundant" and slow.calls == 1
     assert queue.stats()["rows"] == 0 and runner.counts["episodes_group_aborted"] == 1
+
+
+def test_an_env_sees_a_turn_as_the_agent_endpoint_hands_it_to_an_agent():
+    """A sampled special token inside a turn stays in the env's action (as the agent endpoint keeps
+    it, ``AgentSession.decode``), and only the closing turn-end token is left out: an env that
+    dropped ``<unk>`` would compute ``9*55`` where the agent's tool answers ``err``, and the two
+    paths' token streams part (``test_calculator_agent.py`` on a short warm start)."""
+    from sluice.rollout.agentic import action_text
+    from sluice.tasks.tiny_model import build_char_tokenizer
+
+    tok = build_char_tokenizer("0123456789*c")
+    stop = (tok.eos_token_id,)
+    ids = [*tok.encode("c9*", add_special_tokens=False), tok.unk_token_id, *tok.encode("55", add_special_tokens=False)]
+    assert action_text(tok, [*ids, tok.eos_token_id], stop) == "c9*<unk>55"
+    assert action_text(tok, ids, stop) == "c9*<unk>55"  # a turn cut by the token cap has no turn end

@@ -97,6 +97,14 @@ def env_rollout_spec(config: AgenticConfig, task_env: str | None, turn_tokens: i
     )
 
 
+def action_text(tokenizer: Any, ids: list[int], stop: tuple[int, ...]) -> str:
+    """A model turn's text as the env sees it: the closing turn-end token left out, every other
+    token spelled, special ones too (a sampled ``<unk>`` stays in the tool call): what the agent
+    endpoint hands an agent for the same tokens (``AgentSession.decode``), so an env and an agent
+    that play the same turns get the same tool results."""
+    return str(tokenizer.decode(ids[:-1] if ids and ids[-1] in stop else ids, skip_special_tokens=False))
+
+
 def build_env_runner(
     spec: EnvRolloutSpec,
     engine: InferenceEngine,
@@ -135,7 +143,7 @@ def build_env_runner(
             env_factory(spec.env, spec.env_kwargs),
             encode_prompt=text_encoder(tokenizer, special_tokens=True),
             encode=encode,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            decode=lambda ids: action_text(tokenizer, ids, stop),
             chat=chat,
             params=turn_params,
             limits=limits,
