@@ -33,7 +33,12 @@ def _train_records(model_dir, out, name, *overrides):
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "local", "ray"])
+RAY_RUN = pytest.mark.scale
+"""A Ray case of a run of four or more actors (≈ 4 CPU-s each to import torch and transformers):
+20–30 s on 2 cores, so in ``make test-scale``; ``make test`` keeps the local cases."""
+
+
+@pytest.mark.parametrize("mode", ["sync", "local", pytest.param("ray", marks=RAY_RUN)])
 def test_kl_entropy_and_mini_batches_run_end_to_end(tiny_task_model, tmp_path, mode, request):
     if mode == "ray":
         request.getfixturevalue("ray_cluster")
@@ -73,8 +78,28 @@ def test_ppo_with_a_critic_trains_in_sync_mode(tiny_task_model, tmp_path):
     assert records[0]["value_mean"] == 0.0 and records[-1]["value_mean"] != 0.0  # the critic learns
 
 
-@pytest.mark.parametrize(("backend", "kl_coef"), [("local", 0.0), ("ray", 0.0), ("local", 0.05)])
-def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, tmp_path, backend, kl_coef, request):
+@pytest.fixture(scope="module")
+def ppo_sync_records(tiny_task_model, tmp_path_factory):
+    """The synchronous loop's PPO records per ``kl_coef``, run once for the module (the η = 0
+    cases of both backends compare with the same one)."""
+    runs: dict[float, list[dict]] = {}
+
+    def records(kl_coef: float) -> list[dict]:
+        if kl_coef not in runs:
+            out = tmp_path_factory.mktemp("ppo-sync")
+            where = [*PPO, f"trainer.kl_coef={kl_coef}", "run.mode=sync", "run.backend=local"]
+            runs[kl_coef] = _train_records(tiny_task_model, out, "ppo-sync", *where)
+        return runs[kl_coef]
+
+    return records
+
+
+@pytest.mark.parametrize(
+    ("backend", "kl_coef"), [("local", 0.0), pytest.param("ray", 0.0, marks=RAY_RUN), ("local", 0.05)]
+)
+def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(
+    tiny_task_model, tmp_path, backend, kl_coef, request, ppo_sync_records
+):
     """The critic's values as a queue task (own worker, the critic the trainer publishes) and the
     critic's update in the trainer's step: at η = 0 the same losses, gradient norms, values and
     returns as the synchronous loop, bit for bit. Stale critic weights in the values worker (a
@@ -85,7 +110,7 @@ def test_ppo_with_a_critic_at_eta0_async_gives_the_sync_losses(tiny_task_model, 
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     ppo = [*PPO, f"trainer.kl_coef={kl_coef}"]
-    sync = _train_records(tiny_task_model, tmp_path, "ppo-sync", *ppo, "run.mode=sync", "run.backend=local")
+    sync = ppo_sync_records(kl_coef)
     where = ["run.mode=async", f"run.backend={backend}", "rollout.max_staleness=0"]
     streamed = _train_records(tiny_task_model, tmp_path, f"ppo-{backend}", *ppo, *where)
     got, want = ([[r.get(k) for k in PPO_KEYS] for r in records] for records in (streamed, sync))

@@ -17,6 +17,7 @@ OWN_LINES = re.compile(r"(model .* run dir .*|train \d+/\d+ .*|steps \d+ in .*|a
 """What sluice prints in a run without a progress bar (its progress lines, then its results)."""
 
 
+@pytest.mark.scale  # its own Ray instance, as `make run` starts one, and three actors: 20–22 s on 2 cores
 def test_a_run_prints_only_sluices_lines_and_the_rest_goes_to_run_log(tiny_task_model, tmp_path):
     overrides = [*tiny_run_overrides(tiny_task_model, tmp_path, "console"), "run.steps=2", "run.backend=ray"]
     env = {**os.environ, "COLUMNS": "500"}  # rich wraps at 80 columns when stdout is no terminal

@@ -67,6 +67,7 @@ def test_long_tail_replicas_on_the_live_path(tiny_task_model, tmp_path):
         _run(tiny_task_model, tmp_path, "too_many", "run.backend=local", "fleet.lpt=true", "fleet.long_tail_replicas=1")
 
 
+@pytest.mark.scale  # two replica actors, a rollout worker and a trainer: 20–25 s on 2 cores
 def test_replicas_as_ray_actors_train_and_hold_the_trainers_weights(tiny_task_model, tmp_path, ray_cluster):
     records, _ = _run(
         tiny_task_model, tmp_path, "actors", "run.mode=async", "run.backend=ray", "rollout.max_staleness=1",
