@@ -123,7 +123,7 @@ def test_a_killed_reward_worker_is_replaced_and_the_run_finishes(tiny_task_model
         ("ray::TrainerWorker", signal.SIGKILL, "the trainer died"),
         ("ray::TrainerWorker", signal.SIGSTOP, "the trainer sent no heartbeat"),
         ("ray::StorageActor", signal.SIGKILL, "the queue storage unit died"),
-        ("ray::ControllerActor", signal.SIGKILL, "the queue controller died"),
+        ("ray::ControllerActor", signal.SIGKILL, "the queue controller of task 'train' died"),
         ("ray::_Registry", signal.SIGKILL, "the weight registry died"),
     ],
     ids=["trainer-SIGKILL", "trainer-SIGSTOP", "storage-SIGKILL", "controller-SIGKILL", "registry-SIGKILL"],
@@ -131,7 +131,7 @@ def test_a_killed_reward_worker_is_replaced_and_the_run_finishes(tiny_task_model
 def test_a_lost_trainer_or_queue_stops_the_run_with_one_line_and_resume_finishes_it(
     tiny_task_model, tmp_path, ray_cluster, title, sig, worker
 ):
-    overrides = _overrides(tiny_task_model, tmp_path, "stopped")
+    overrides = _overrides(tiny_task_model, tmp_path, "stopped", "run.max_restarts=0")  # the one line, then resume
     fault = _fault_after_step(tmp_path / "stopped", title, sig)
     started = time.monotonic()
     with pytest.raises(RunStopped) as stop:

@@ -5,6 +5,7 @@ worker is silent), and ``supervised`` cancels the loop it stops."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -171,3 +172,21 @@ def _reset_connection_is_named(tmp_path, served, role):
     assert str(explain_death(gone.value, {})).startswith(f"the {role} died")
     assert explain_death(RuntimeError("something else"), {}) is None
     assert explain_death(ConnectionResetError("some other socket"), {}) is None
+
+
+def test_a_loop_asked_to_stop_that_keeps_going_is_stopped_after_the_timeout():
+    """SIGTERM / SIGINT asked the loop to stop; it keeps moving (a step that never ends while its
+    workers compute): the watchdog ends it ``timeout_s`` after the request, naming why."""
+    moves, worker = [0], Worker("trainer")
+    asked: list[float | None] = [None]
+
+    async def run() -> str:
+        watchdog = Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0], lambda: asked[0])
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, lambda: asked.__setitem__(0, time.monotonic()))
+        return await supervised(_loop(moves, 5.0), watchdog)
+
+    started = time.monotonic()
+    with pytest.raises(WorkerStalled, match=r"^the training loop did not stop when asked to for \d+ s"):
+        asyncio.run(run())
+    assert time.monotonic() - started < 0.3 + TIMEOUT + 3 * min(5.0, TIMEOUT / 4) + 0.5

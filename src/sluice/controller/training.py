@@ -117,7 +117,8 @@ async def run_training(
         before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
         controller = Controller(pipeline, admission)
         # a silent worker, or a loop that stops moving, ends the run (runtime/supervision.py)
-        watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress)
+        # ... and so does a stop request the loop has not honoured within the same time
+        watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress, lambda: stop.at)
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
@@ -159,6 +160,11 @@ async def run_training(
         with disk_faults(run.final_model_dir, any_error=True):  # torch / safetensors raise no OSError
             await pipeline.save(str(run.final_model_dir))
         return base, final
+    except Exception as err:  # a worker's death outside the loop (restore, final evaluation): its one line
+        stopped = None if isinstance(err, RunStopped | RunPreempted) else pipeline.explain(err)
+        if stopped is None:
+            raise
+        raise stopped from err
     finally:
         pipeline.close()
 

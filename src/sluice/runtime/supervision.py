@@ -5,7 +5,9 @@ worker for a heartbeat (a Ray actor answers in a concurrency group of its own, s
 step does not delay the answer: it answers with its CPU seconds) and reads the loop's progress;
 a worker that has not answered, or a loop that has not moved while no worker computes (a long
 train step is progress; a deadlock is not), for ``run.stall_timeout_s`` stops the run with
-``WorkerStalled``: one line naming it. A replaceable worker (the rollout worker) that stalls is killed instead, so
+``WorkerStalled``: one line naming it. So does a loop asked to stop (SIGTERM / SIGINT,
+``runtime/preemption.py``) that has not stopped ``run.stall_timeout_s`` later, busy or not: a
+signal always ends the run in bounded time. A replaceable worker (the rollout worker) that stalls is killed instead, so
 Ray restarts it and the loop regenerates its groups. A worker whose heartbeat finds it dead and
 that cannot be replaced (a trainer rank, a queue-task worker) stops the run with ``WorkerDied``.
 
@@ -78,10 +80,19 @@ class Heartbeat:
 class Watchdog:
     """Stops the run when a worker or the loop goes silent for ``timeout_s`` (see the module)."""
 
-    def __init__(self, timeout_s: float, beats: Sequence[Heartbeat], progress: Callable[[], Hashable]) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        beats: Sequence[Heartbeat],
+        progress: Callable[[], Hashable],
+        stop_asked: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.beats = list(beats)
         self.progress = progress
+        self.stop_asked = stop_asked
+        """When (``time.monotonic``) a stop was asked (SIGTERM / SIGINT), else ``None``: the loop
+        has ``timeout_s`` from then to stop, however busy its workers are."""
         self.interval_s = min(5.0, timeout_s / 4)
         self.replaced: dict[str, int] = {}
         """Stalled replaceable workers killed, by worker."""
@@ -127,6 +138,9 @@ class Watchdog:
                 answering = not self._replacing and all(now - t <= 2 * self.interval_s for t in self._heard.values())
                 if self._failure is None and answering and now - self._moved > self.timeout_s:
                     self._failure = WorkerStalled("training loop", now - self._moved, "made no progress")
+                asked = self.stop_asked()
+                if self._failure is None and asked is not None and now - asked > self.timeout_s:
+                    self._failure = WorkerStalled("training loop", now - asked, "did not stop when asked to")
             raise self._failure
         finally:
             for task in pingers:
@@ -194,3 +208,12 @@ async def supervised(work: Awaitable[T], watchdog: Watchdog | None) -> T:
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
+
+
+def abandon(future: asyncio.Future[object]) -> None:
+    """Cancel ``future`` (a gather nobody will await once its awaiter stopped) and take its outcome
+    when it comes, so that asyncio never prints ``exception was never retrieved`` after the run's
+    one line."""
+    if not future.done():
+        future.cancel()
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
