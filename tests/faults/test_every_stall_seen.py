@@ -2,7 +2,8 @@
 
 A SIGSTOPped queue storage unit, queue controller, weight registry or queue-task (``ref``) worker
 sends no heartbeat: the run names it in one line within ``run.stall_timeout_s`` (before, a stopped
-storage unit was never noticed). With in-run recovery off (``run.max_restarts=0``) the run stops
+storage unit was never noticed; a stopped reward worker's case is in ``test_worker_faults.py``).
+With in-run recovery off (``run.max_restarts=0``) the run stops
 with that line; the stopped process does not outlive the run. And a ``sluice train`` whose
 storage unit is stopped and that then gets SIGTERM ends within a bound, its last line the one
 line, no traceback (before, SIGTERM did not stop it).
