@@ -17,12 +17,14 @@ Not here: tearing down or placing workers (``training.py``), reading checkpoints
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sluice.config import SluiceConfig
-from sluice.controller.run_state import TrainingRun
+from sluice.controller.run_state import METRICS_LOG, TrainingRun
 from sluice.runtime.supervision import RESUME_HINT, WorkerDied, WorkerStalled
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ class Recovery:
     budget: int
     causes: list[str] = field(default_factory=list)
     """Each restart's cause: the stop's one line, without its resume hint."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """Each restart's ``restart`` record (``metrics.jsonl``)."""
 
     def restarts(self, err: BaseException, stop_asked: bool) -> bool:
         """Whether the run continues after ``err`` (then counted and said in one warning)."""
@@ -57,14 +61,30 @@ class Recovery:
         return config.model_copy(update={"run": config.run.model_copy(update={"resume": "auto"})})
 
     def record(self, run: TrainingRun, resumed_from: Path | None, version: int) -> None:
-        """The attempt's ``restart`` record (after the logs were cut back to its checkpoint, of
-        step ``version``; 0: from the start)."""
-        if self.causes:
-            run.metrics.log(
-                "restart",
-                restart=len(self.causes),
-                max_restarts=self.budget,
-                cause=self.causes[-1],
-                checkpoint=str(resumed_from) if resumed_from is not None else None,
-                step=version,
-            )
+        """This attempt's ``restart`` record (after the logs were cut back to its checkpoint, of
+        step ``version``; 0: from the start), and again any earlier restart's record the cut took
+        with it (two restarts from one checkpoint): every restart keeps its record."""
+        if not self.causes:
+            return
+        self.records.append(
+            {
+                "restart": len(self.causes),
+                "max_restarts": self.budget,
+                "cause": self.causes[-1],
+                "checkpoint": None if resumed_from is None else str(resumed_from),
+                "step": version,
+            }
+        )
+        kept = _logged_restarts(run.run_dir / METRICS_LOG)
+        for record in self.records:
+            if record["restart"] not in kept:
+                run.metrics.log("restart", **record)
+
+
+def _logged_restarts(path: Path) -> set[int]:
+    """The ``restart`` numbers of the records in the metrics log ``path``."""
+    if not path.is_file():
+        return set()
+    with path.open() as lines:
+        records = [json.loads(line) for line in lines if '"restart"' in line and line.endswith("\n")]
+    return {int(r["restart"]) for r in records if r.get("kind") == "restart"}

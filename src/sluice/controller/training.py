@@ -108,10 +108,11 @@ async def run_training(
     pipeline, admission = place_pipeline(run, spec)
     try:
         _stop_if_asked(stop, run)
-        if resumed is None:
-            base = await _evaluate(run, pipeline)
-        else:  # trainer state, engines at its version, the queue's untrained rows
-            base = await restore_checkpoint(run, pipeline, resumed)
+        # start-up under the workers' heartbeats (its length is not judged): an actor stopped
+        # while a resume restores or the base evaluation runs is named like one stopped mid-run
+        starting = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), lambda: None, lambda: stop.at)
+        with starting.paused():
+            base = await supervised(_start(run, pipeline, resumed), starting)
         run.base_eval = base
         _stop_if_asked(stop, run)
         before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
@@ -167,6 +168,16 @@ async def run_training(
         raise stopped from err
     finally:
         pipeline.close()
+
+
+async def _start(
+    run: TrainingRun, pipeline: LocalPipeline | RayPipeline, resumed: DriverState | None
+) -> EvalResult | None:
+    """A fresh run's base evaluation, or a resume's restore (trainer state, engines at its
+    version, the queue's untrained rows) and the base evaluation it recorded."""
+    if resumed is None:
+        return await _evaluate(run, pipeline)
+    return await restore_checkpoint(run, pipeline, resumed)
 
 
 def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:

@@ -36,6 +36,10 @@ T = TypeVar("T")
 RESUME_HINT = "resume=auto continues this run from its last checkpoint"
 BUSY_SHARE = 0.25
 """A worker using at least this share of a core is working (an idle one uses ~1 %)."""
+FIRST_ANSWER_S = 180.0
+"""How long a worker has to answer its first heartbeat, if ``run.stall_timeout_s`` is shorter: a
+Ray actor answers nothing until its constructor returns (its process, imports, a model load),
+which on a busy machine can take longer than a short stall timeout."""
 
 
 class WorkerDied(RunStopped):
@@ -86,8 +90,11 @@ class Watchdog:
         beats: Sequence[Heartbeat],
         progress: Callable[[], Hashable],
         stop_asked: Callable[[], float | None] = lambda: None,
+        first_answer_s: float = FIRST_ANSWER_S,
     ) -> None:
         self.timeout_s = timeout_s
+        self.first_answer_s = max(timeout_s, first_answer_s)
+        """How long a worker has to answer its first heartbeat."""
         self.beats = list(beats)
         self.progress = progress
         self.stop_asked = stop_asked
@@ -97,6 +104,8 @@ class Watchdog:
         self.replaced: dict[str, int] = {}
         """Stalled replaceable workers killed, by worker."""
         self._heard: dict[str, float] = {}
+        self._answered: set[str] = set()
+        """Workers that answered a heartbeat (the others have ``FIRST_ANSWER_S``)."""
         self._failure: RunStopped | None = None
         self._paused = 0
         self._moved = 0.0
@@ -131,7 +140,8 @@ class Watchdog:
                 if self._paused or current != seen or self._working(now):
                     self._moved, seen = now, current
                 for beat in self.beats:
-                    if now - self._heard[beat.worker] > self.timeout_s:
+                    limit = self.timeout_s if beat.worker in self._answered else self.first_answer_s
+                    if now - self._heard[beat.worker] > limit:
                         await self._silent(beat, now)
                 # every worker answers, yet nothing moves: the loop itself hangs (a silent worker
                 # gets its own verdict, naming it)
@@ -162,6 +172,7 @@ class Watchdog:
             try:
                 answer = await beat.ping()
                 self._heard[beat.worker] = time.monotonic()
+                self._answered.add(beat.worker)
                 if beat.worker in self._replacing:  # replaced: the loop gets a whole timeout to move again
                     self._replacing.discard(beat.worker)
                     self._moved = self._heard[beat.worker]
