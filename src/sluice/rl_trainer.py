@@ -31,7 +31,8 @@ import torch
 
 from sluice.api import PromptItem, RewardFn, SamplingParams
 from sluice.config import ConfigError, SluiceConfig, dump_config, steps_of_epochs
-from sluice.controller.resume import open_checkpoints
+from sluice.controller.recovery import Recovery
+from sluice.controller.resume import DriverState, open_checkpoints
 from sluice.controller.run_state import TrainingRun
 from sluice.controller.step_by_step import StepByStep
 from sluice.controller.training import run_training
@@ -270,9 +271,31 @@ class RLTrainer:
         self, progress: TrainProgress | None, preemption: Preemption
     ) -> tuple[TrainingRun, EvalResult | None, EvalResult | None]:
         """Open the run (checkpoints, logs) and run the loop: the run as it ended, its base and
-        final evaluations."""
+        final evaluations. A worker that dies or stalls is recovered from inside this call, up to
+        ``run.max_restarts`` times (``controller/recovery.py``): the loop runs again from the last
+        complete checkpoint, as ``resume=auto`` would."""
+        recovery, started = Recovery(self.config.run.max_restarts), time.monotonic()
+        while True:
+            run, resumed = self._open_run(progress, recovery)
+            run.started = started
+            try:
+                base, final = asyncio.run(run_training(run, self.pipeline_spec(), resumed, preemption))
+            except RunPreempted:
+                run.close_logs()  # stopped at a checkpoint: the trackers' runs end as they would
+                raise
+            except BaseException as err:
+                run.close_logs(failed=True)  # the trackers' runs end (wandb's marked failed)
+                if recovery.restarts(err, preemption.requested):
+                    continue  # the workers are gone (run_training's finally): place them again
+                raise
+            run.close_logs()
+            return run, base, final
+
+    def _open_run(self, progress: TrainProgress | None, recovery: Recovery) -> tuple[TrainingRun, DriverState | None]:
+        """One attempt's run: its checkpoints (after a restart, ``resume=auto``'s), logs, trackers."""
         cfg = self.config
-        checkpoints, resumed_from, resumed = open_checkpoints(cfg, self.run_dir)
+        checkpoints, resumed_from, resumed = open_checkpoints(recovery.config(cfg), self.run_dir)
+        self.prompts.position = 0  # a fresh start's; a resume's comes from its checkpoint
         run = TrainingRun(
             cfg, self.run_dir, self.prompts, self.eval_items or [], self.max_new_tokens, checkpoints, resumed_from,
             tokenizer=self.tokenizer,
@@ -281,19 +304,11 @@ class RLTrainer:
         if resumed is None:
             filtered = {f"{split}_filtered_{why}": n for split, c in self.filtered.items() for why, n in c.items()}
             run.metrics.log("data", train_prompts=len(self.prompts.items), val_prompts=len(self.eval_items), **filtered)
+        recovery.record(run, resumed_from, 0 if resumed is None else resumed.version)
         if progress is not None:
             run.progress = progress
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        try:
-            base, final = asyncio.run(run_training(run, self.pipeline_spec(), resumed, preemption))
-        except RunPreempted:
-            run.close_logs()  # stopped at a checkpoint: the trackers' runs end as they would
-            raise
-        except BaseException:
-            run.close_logs(failed=True)  # the trackers' runs end (wandb's marked failed); the error propagates
-            raise
-        run.close_logs()
-        return run, base, final
+        return run, resumed
 
     def pipeline_spec(self) -> PipelineSpec:
         """What the workers are built from: the config's sections and the run's resolved pieces."""

@@ -2,8 +2,10 @@
 process) is replaced and the call retried once; a second death is a counted failure, not a crash."""
 
 import asyncio
+import logging
 import os
 import signal
+import time
 
 from fakes import FaultyReward, length_reward
 from sluice.api import RewardFailure
@@ -103,3 +105,24 @@ def test_a_worker_whose_caller_closed_the_pipe_ends_quietly():
     parent.close()  # ...the caller gives up
     worker.join(timeout=10)
     assert not worker.is_alive() and not failures
+
+
+def test_a_stopped_worker_is_named_replaced_and_the_call_retried_within_seconds(caplog):
+    """SIGSTOP: the process lives but never answers; the call looks at its state while it waits,
+    so it is replaced within about ``STOPPED_POLL_S`` instead of at the reward's 30 s timeout."""
+    service = RewardService(length_reward, pool_size=1, timeout_s=30.0)
+    try:
+        old = _warm(service)
+        os.kill(old.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="sluice.rewards.pool"):
+            assert _score(service, ["abc"]) == [length_reward("abc")]
+        assert time.monotonic() - started < 10.0
+        (worker,) = service.pool._workers
+        assert worker.process.pid != old.pid and worker.process.is_alive()
+    finally:
+        service.close()
+    assert f"reward worker pid {old.pid} is stopped (SIGSTOP): killed and replaced" in caplog.text
+    stats = service.stats()
+    assert stats["reward_worker_stopped"] == 1.0 and stats["reward_worker_restarts"] == 1.0
+    assert stats["reward_retries"] == 1.0 and not any(key.startswith("reward_error") for key in stats)

@@ -5,12 +5,18 @@ worker is silent), and ``supervised`` cancels the loop it stops."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from sluice.runtime.supervision import Heartbeat, Watchdog, WorkerDied, WorkerStalled, supervised
 
 TIMEOUT = 0.4
+
+
+def _watchdog(*args: object) -> Watchdog:
+    """A watchdog whose workers have no longer for their first answer than for any other."""
+    return Watchdog(*args, first_answer_s=0.0)  # type: ignore[arg-type]
 
 
 class Worker:
@@ -49,7 +55,7 @@ async def _loop(moves: list[int], seconds: float) -> str:
 
 def test_a_loop_that_finishes_with_answering_workers_is_left_alone():
     moves, worker = [0], Worker("trainer")
-    watchdog = Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])
+    watchdog = _watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])
     assert asyncio.run(supervised(_loop(moves, 1.0), watchdog)) == "done"
 
 
@@ -57,20 +63,20 @@ def test_a_stopped_worker_stops_the_run_naming_it():
     moves, worker = [0], Worker("trainer")
     worker.state = "stopped"
     with pytest.raises(WorkerStalled, match=r"^the trainer sent no heartbeat for \d+ s .*resume=auto"):
-        asyncio.run(supervised(_loop(moves, 5.0), Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])))
+        asyncio.run(supervised(_loop(moves, 5.0), _watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])))
 
 
 def test_a_dead_worker_stops_the_run_at_once():
     moves, worker = [0], Worker("queue storage unit")
     worker.state = "dead"
     with pytest.raises(WorkerDied, match=r"the queue storage unit died \(queue storage unit is gone\)"):
-        asyncio.run(supervised(_loop(moves, 5.0), Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])))
+        asyncio.run(supervised(_loop(moves, 5.0), _watchdog(TIMEOUT, [worker.beat()], lambda: moves[0])))
 
 
 def test_a_stopped_replaceable_worker_is_replaced_and_the_loop_goes_on():
     moves, rollout = [0], Worker("rollout worker")
     rollout.state = "stopped"
-    watchdog = Watchdog(TIMEOUT, [rollout.beat(replaceable=True)], lambda: moves[0])
+    watchdog = _watchdog(TIMEOUT, [rollout.beat(replaceable=True)], lambda: moves[0])
     assert asyncio.run(supervised(_loop(moves, 1.5), watchdog)) == "done"
     assert rollout.replaced == 1 and watchdog.replaced == {"rollout worker": 1}
 
@@ -83,10 +89,10 @@ def test_a_loop_that_stops_moving_stops_the_run_unless_paused():
         await asyncio.sleep(5.0)
 
     with pytest.raises(WorkerStalled, match=r"^the training loop made no progress"):
-        asyncio.run(supervised(hung(), Watchdog(TIMEOUT, [worker.beat()], lambda: still[0])))
+        asyncio.run(supervised(hung(), _watchdog(TIMEOUT, [worker.beat()], lambda: still[0])))
 
     async def paused() -> str:
-        watchdog = Watchdog(TIMEOUT, [worker.beat()], lambda: still[0])
+        watchdog = _watchdog(TIMEOUT, [worker.beat()], lambda: still[0])
 
         async def evaluating() -> str:
             with watchdog.paused():
@@ -106,7 +112,7 @@ def test_a_silent_worker_is_named_instead_of_the_loop_it_holds_up():
         await asyncio.sleep(5.0)
 
     with pytest.raises(WorkerStalled, match=r"^the trainer \(rank 1\) sent no heartbeat"):
-        asyncio.run(supervised(waiting_on_it(), Watchdog(TIMEOUT, [worker.beat()], lambda: still[0])))
+        asyncio.run(supervised(waiting_on_it(), _watchdog(TIMEOUT, [worker.beat()], lambda: still[0])))
 
 
 def test_a_worker_that_computes_is_progress_though_the_loop_waits_on_it():
@@ -124,7 +130,7 @@ def test_a_worker_that_computes_is_progress_though_the_loop_waits_on_it():
         await asyncio.sleep(1.2)
         return "stepped"
 
-    assert asyncio.run(supervised(one_long_step(), Watchdog(TIMEOUT, [trainer], lambda: still[0]))) == "stepped"
+    assert asyncio.run(supervised(one_long_step(), _watchdog(TIMEOUT, [trainer], lambda: still[0]))) == "stepped"
 
 
 @pytest.mark.parametrize(
@@ -171,3 +177,41 @@ def _reset_connection_is_named(tmp_path, served, role):
     assert str(explain_death(gone.value, {})).startswith(f"the {role} died")
     assert explain_death(RuntimeError("something else"), {}) is None
     assert explain_death(ConnectionResetError("some other socket"), {}) is None
+
+
+def test_a_loop_asked_to_stop_that_keeps_going_is_stopped_after_the_timeout():
+    """SIGTERM / SIGINT asked the loop to stop; it keeps moving (a step that never ends while its
+    workers compute): the watchdog ends it ``timeout_s`` after the request, naming why."""
+    moves, worker = [0], Worker("trainer")
+    asked: list[float | None] = [None]
+
+    async def run() -> str:
+        watchdog = _watchdog(TIMEOUT, [worker.beat()], lambda: moves[0], lambda: asked[0])
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, lambda: asked.__setitem__(0, time.monotonic()))
+        return await supervised(_loop(moves, 5.0), watchdog)
+
+    started = time.monotonic()
+    with pytest.raises(WorkerStalled, match=r"^the training loop did not stop when asked to for \d+ s"):
+        asyncio.run(run())
+    assert time.monotonic() - started < 0.3 + TIMEOUT + 3 * min(5.0, TIMEOUT / 4) + 0.5
+
+
+def test_a_worker_has_longer_for_its_first_answer_then_the_timeout():
+    """A Ray actor answers nothing until its constructor returns: silent at first for 3 timeouts
+    (within ``first_answer_s``) it is not a stall; once it answered, silence is judged by the
+    timeout."""
+    moves, worker = [0], Worker("'reference' task worker")
+    worker.state = "stopped"
+
+    async def run() -> str:
+        loop = asyncio.get_running_loop()
+        loop.call_later(3 * TIMEOUT, lambda: setattr(worker, "state", "alive"))  # constructed
+        loop.call_later(3 * TIMEOUT + 0.5, lambda: setattr(worker, "state", "stopped"))  # then stopped
+        watchdog = Watchdog(TIMEOUT, [worker.beat()], lambda: moves[0], first_answer_s=10 * TIMEOUT)
+        return await supervised(_loop(moves, 10.0), watchdog)
+
+    started = time.monotonic()
+    with pytest.raises(WorkerStalled, match=r"^the 'reference' task worker sent no heartbeat"):
+        asyncio.run(run())
+    assert 3 * TIMEOUT + 0.5 <= time.monotonic() - started < 3 * TIMEOUT + 0.5 + 4 * TIMEOUT

@@ -239,7 +239,17 @@ class RunConfig(_Section):
     """A worker that sends no heartbeat, or a training loop that makes no progress, for this many
     seconds ends the run with one line naming it (a stopped or hung process); a rollout worker, or
     an engine replica actor (``resources.rollout.replica_actors``) silent for half of it, is killed and
-    replaced instead."""
+    replaced instead. Every actor of a Ray run is watched (workers, the queue's storage units and
+    controllers, the weight registries); a SIGTERM / SIGINT the loop has not honoured this long
+    after it ends the run too."""
+
+    max_restarts: int = Field(default=2, ge=0)
+    """In-run recovery: when a worker dies or stalls (the trainer, the rollout worker past Ray's
+    restarts, a queue actor, a weight registry, a queue-task worker; each named in one line), the
+    driver tears the workers down and continues from the last complete checkpoint (from the start
+    if there is none yet) inside the same ``sluice train``, as ``resume=auto`` would, at most this
+    many times a run (each a ``restart`` record in ``metrics.jsonl``). 0: the first such stop
+    ends the run."""
 
     resume: str | None = None
     """``auto``: continue this run dir from its newest complete checkpoint (start fresh if there is

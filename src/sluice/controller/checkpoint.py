@@ -58,6 +58,7 @@ RUN_CONTROL = (
     "run.failure_budget",
     "run.failure_window",
     "run.stall_timeout_s",
+    "run.max_restarts",
 )
 RESUMABLE: dict[str, tuple[str, ...]] = {
     "learning rate and schedule": ("trainer.lr", "trainer.lr_schedule", "trainer.lr_warmup_steps"),

@@ -35,7 +35,7 @@ from sluice.data import PromptStream
 from sluice.runtime.pipelines import PipelineSpec, wait_engine_version
 from sluice.runtime.ray_pipeline import RayPipeline, _runtime
 from sluice.runtime.ray_supervision import HEALTH, death_detail, supervised
-from sluice.runtime.supervision import Heartbeat
+from sluice.runtime.supervision import Heartbeat, abandon
 from sluice.schedule.failures import FailureBudget, RunStopped
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
@@ -163,6 +163,7 @@ class MultiRayPipeline(RayPipeline):
         finally:
             for task in watched:
                 task.cancel()
+            abandon(training)  # cancelled with its awaiter (a stopped run): nothing left to print
         return dict(results[0])
 
     async def step_reports(self, step: int) -> list[GroupReport]:

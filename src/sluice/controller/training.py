@@ -108,16 +108,18 @@ async def run_training(
     pipeline, admission = place_pipeline(run, spec)
     try:
         _stop_if_asked(stop, run)
-        if resumed is None:
-            base = await _evaluate(run, pipeline)
-        else:  # trainer state, engines at its version, the queue's untrained rows
-            base = await restore_checkpoint(run, pipeline, resumed)
+        # start-up under the workers' heartbeats (its length is not judged): an actor stopped
+        # while a resume restores or the base evaluation runs is named like one stopped mid-run
+        starting = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), lambda: None, lambda: stop.at)
+        with starting.paused():
+            base = await supervised(_start(run, pipeline, resumed), starting)
         run.base_eval = base
         _stop_if_asked(stop, run)
         before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
         controller = Controller(pipeline, admission)
         # a silent worker, or a loop that stops moving, ends the run (runtime/supervision.py)
-        watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress)
+        # ... and so does a stop request the loop has not honoured within the same time
+        watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress, lambda: stop.at)
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
@@ -159,8 +161,23 @@ async def run_training(
         with disk_faults(run.final_model_dir, any_error=True):  # torch / safetensors raise no OSError
             await pipeline.save(str(run.final_model_dir))
         return base, final
+    except Exception as err:  # a worker's death outside the loop (restore, final evaluation): its one line
+        stopped = None if isinstance(err, RunStopped | RunPreempted) else pipeline.explain(err)
+        if stopped is None:
+            raise
+        raise stopped from err
     finally:
         pipeline.close()
+
+
+async def _start(
+    run: TrainingRun, pipeline: LocalPipeline | RayPipeline, resumed: DriverState | None
+) -> EvalResult | None:
+    """A fresh run's base evaluation, or a resume's restore (trainer state, engines at its
+    version, the queue's untrained rows) and the base evaluation it recorded."""
+    if resumed is None:
+        return await _evaluate(run, pipeline)
+    return await restore_checkpoint(run, pipeline, resumed)
 
 
 def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:

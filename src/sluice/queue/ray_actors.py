@@ -6,7 +6,9 @@ without blocking other calls. A ``StorageActor`` stores writes and then, before 
 notifies the controller of every task that reads one of the written columns (a put costs one
 call per reading task, not one per registered task); with ``free_consumed`` it counts which
 tasks read each row and frees rows every task read. Unit 0 also starts the controllers, so the
-queue's actors share its owner's lifetime. Clients are in ``ray_backend``.
+queue's actors share its owner's lifetime. Each answers ``heartbeat`` in the ``HEALTH`` group
+(``api/health.py``): a stopped unit or controller is named by the run's watchdog. Clients are in
+``ray_backend``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from sluice.api.health import HEALTH
 from sluice.api.queue import Partition
 from sluice.queue import shm
 from sluice.queue.client import declare
@@ -108,6 +111,9 @@ class ControllerActor:
 
     def close_transport(self) -> None:
         self._direct.close()
+
+    def heartbeat(self) -> float:
+        return time.process_time()  # in the HEALTH group: answered while gets wait
 
 
 class StorageActor:
@@ -265,6 +271,11 @@ class StorageActor:
             rows, size = self._written
             return {**self._unit.stats(), "rows_written": rows, "bytes_written": size, "cpu_s": time.process_time()}
 
+    def heartbeat(self) -> float:
+        return time.process_time()  # in the HEALTH group, never behind the lock
 
-_Controller: Any = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_THREADS)(ControllerActor)  # type: ignore[call-overload]
-_Storage: Any = ray.remote(num_cpus=0, max_concurrency=16)(StorageActor)  # type: ignore[call-overload]
+
+_Controller: Any = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_THREADS, concurrency_groups={HEALTH: 1})(  # type: ignore[call-overload]
+    ControllerActor
+)
+_Storage: Any = ray.remote(num_cpus=0, max_concurrency=16, concurrency_groups={HEALTH: 1})(StorageActor)  # type: ignore[call-overload]

@@ -206,6 +206,10 @@ class RayQueue:
         states = ray.get([h.stats.remote() for h in tasks.values()])
         return {"rows": sum(u["rows"] for u in units), "units": units, "tasks": dict(zip(tasks, states, strict=True))}
 
+    def controllers(self) -> dict[str, Any]:
+        """Each task's controller actor (task -> handle)."""
+        return dict(ray.get(self.units[0].controllers.remote()))
+
     def close(self) -> None:
         tasks = ray.get(self.units[0].controllers.remote())
         ray.get([h.close.remote() for h in tasks.values()])
@@ -214,9 +218,9 @@ class RayQueue:
         """Kill the queue's actors (controllers first); the data is gone. Works on a queue one of
         whose actors died (the run's error names it): the dead are skipped, the others killed
         (controllers die with the unit that created them)."""
-        try:
-            controllers = list(ray.get(self.units[0].controllers.remote()).values())
-        except ray.exceptions.RayActorError:
+        try:  # a stopped unit 0 never answers: its controllers die with it when it is killed
+            controllers = list(ray.get(self.units[0].controllers.remote(), timeout=10.0).values())
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             controllers = []
         closing = [h.close_transport.remote() for h in controllers] + [u.close_transport.remote() for u in self.units]
         ray.wait(closing, num_returns=len(closing), timeout=10.0)  # a dead one's error is not this call's

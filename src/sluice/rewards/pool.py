@@ -6,7 +6,11 @@ at a time and answers over a pipe. The event loop waits on the pipe's file descr
 slow reward never blocks generation. A call that runs past its timeout, or whose caller is
 cancelled, gets its worker killed and replaced: a hung reward cannot keep a pool slot. A worker
 found dead (killed from outside, or crashed by the reward: the pipe breaks or closes) is replaced
-too, and the call is retried once on the fresh worker; a second crash is the call's failure.
+too, and the call is retried once on the fresh worker; a second crash is the call's failure. A
+worker that cannot answer because its process is stopped (SIGSTOP, a debugger: the kernel's
+state ``T``), which no heartbeat of the Ray actors would see, is looked for every
+``STOPPED_POLL_S`` while a call waits on it: it is named in one warning, counted (``stopped``) and
+treated as dead. A reward that runs long in a live process is its timeout's business.
 
 This module moves calls and results; it does not judge them (``service.py`` classifies
 failures and counts them).
@@ -16,19 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import multiprocessing
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any, Literal
 
 StartMethod = Literal["forkserver", "spawn"]
+logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 120.0
 """How long a new worker may take to start (imports included) before it counts as crashed; a
 reward's own timeout starts only once its worker is up."""
+STOPPED_POLL_S = 1.0
+"""How often a call waiting on its worker looks whether the worker's process is stopped."""
 
 
 class RewardCallError(Exception):
@@ -74,6 +83,19 @@ class _WorkerDied(Exception):
     """A worker's process was found dead (its pipe broke or closed); the call may be retried."""
 
 
+class _WorkerStopped(Exception):
+    """A worker's process is stopped (state ``T``): it will not answer until someone continues it."""
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped by a signal or a tracer (Linux ``/proc``; elsewhere never)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
 @dataclass
 class _Worker:
     process: BaseProcess
@@ -104,6 +126,8 @@ class RewardPool:
         """Workers killed (timeout, cancellation) or found dead, and started anew."""
         self.retried = 0
         """Calls retried on a fresh worker because their first worker died."""
+        self.stopped = 0
+        """Workers found stopped (SIGSTOP) under a call, and replaced."""
 
     async def call(self, fn: Callable[..., Any], response: str, fields: Mapping[str, Any], timeout: float) -> Any:
         """The reward's return value; ``TimeoutError`` past ``timeout`` s; ``RewardCallError``
@@ -123,19 +147,26 @@ class RewardPool:
         idle = self._idle_workers()
         worker = await idle.get()
         healthy = dead = False
+        stopped: _WorkerStopped | None = None
         try:
             dead = not worker.process.is_alive()  # died while idle (killed from outside)
             if not dead:
                 await self._wait_started(worker)
                 worker.conn.send((fn, response, dict(fields)))
-                ok, value = await asyncio.wait_for(self._receive(worker.conn), timeout)
+                ok, value = await asyncio.wait_for(self._answer(worker), timeout)
                 healthy = True
         except (EOFError, ConnectionError):  # the pipe broke or closed: the process is gone
             dead = True
+        except _WorkerStopped as err:  # deliberately: a stopped process is as good as dead, counted
+            dead, stopped = True, err
         finally:
             if not healthy:  # timed out, cancelled, dead or unpicklable: never reuse it
                 old, worker = worker, self._replace(worker)
             idle.put_nowait(worker)
+        if stopped is not None:
+            self.stopped += 1
+            logger.warning("%s: killed and replaced, its call retried", stopped)
+            raise _WorkerDied(str(stopped))
         if dead:
             raise _WorkerDied(f"reward worker exited with code {old.process.exitcode}")
         if not ok:
@@ -188,6 +219,20 @@ class RewardPool:
         self._workers.remove(worker)
         self.replaced += 1
         return self._start()
+
+    async def _answer(self, worker: _Worker) -> Any:
+        """The worker's answer to the call sent to it; ``_WorkerStopped`` as soon as a look every
+        ``STOPPED_POLL_S`` finds its process stopped."""
+        receiving = asyncio.ensure_future(self._receive(worker.conn))
+        try:
+            while True:
+                done, _ = await asyncio.wait([receiving], timeout=STOPPED_POLL_S)
+                if done:
+                    return receiving.result()
+                if _stopped(worker.process.pid):
+                    raise _WorkerStopped(f"reward worker pid {worker.process.pid} is stopped (SIGSTOP)")
+        finally:
+            receiving.cancel()
 
     @staticmethod
     async def _receive(conn: Connection) -> Any:

@@ -11,10 +11,11 @@ A call that raises, runs past ``timeout_s``, or returns something that is not a 
 ``bool`` counts as 1 / 0: ``return pred == gt``) raises ``RewardFailure`` whose ``reason``
 (``reward_error:NAME``, ``reward_timeout:NAME``, ``reward_invalid:NAME``) becomes the discard
 reason of the sample's group; every failure is also counted here per function. A pool worker that
-dies is replaced and its call retried once (``reward_worker_restarts``, ``reward_retries``); a
-second death is a ``reward_error``. With ``latency_s`` each call first waits as a remote service
-would (no CPU; a benchmark's workload). The service does not decide what happens to the group (the
-rollout worker does: ``rollout.filters.reward_failure``), nor when failures are too many (the
+dies, or is found stopped (SIGSTOP), is replaced and its call retried once
+(``reward_worker_restarts``, ``reward_retries``, ``reward_worker_stopped``); a second death is a
+``reward_error``. With ``latency_s`` each call first waits as a remote service would (no CPU; a
+benchmark's workload). The service does not decide what happens to the group (the rollout worker
+does: ``rollout.filters.reward_failure``), nor when failures are too many (the
 controller's budget).
 """
 
@@ -113,11 +114,13 @@ class RewardService:
     def stats(self) -> dict[str, float]:
         """``reward_calls``, ``reward_seconds``, ``reward_worker_restarts`` (pool processes killed at
         a timeout or found dead, and started anew), ``reward_retries`` (calls run again because
-        their worker died) and one ``reward_<kind>:<name>`` count per failure."""
+        their worker died), ``reward_worker_stopped`` (workers found stopped under a call) and one
+        ``reward_<kind>:<name>`` count per failure."""
         failures = {reason: float(n) for reason, n in self.failures.items()}
         pool = {
             "reward_worker_restarts": float(self.pool.replaced if self.pool else 0),
             "reward_retries": float(self.pool.retried if self.pool else 0),
+            "reward_worker_stopped": float(self.pool.stopped if self.pool else 0),
         }
         return {"reward_calls": float(sum(self.calls.values())), "reward_seconds": self.seconds, **pool, **failures}
 

@@ -19,11 +19,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 from sluice.api import Completion, GenerationRequest, Replica, ReplicaLost, VersionedEngine
+from sluice.api.health import HEALTH
 from sluice.api.protocols import WeightUpdateMode
 
 logger = logging.getLogger(__name__)
-HEALTH = "health"
-"""The concurrency group of ``EngineHost.heartbeat`` (answered beside the decoding)."""
 
 
 class LocalReplica:

@@ -4,7 +4,8 @@ ends it at once.
 ``preemptible(tag)`` installs the handlers for the run (only in the main thread: Python delivers
 signals there; elsewhere the process's own handlers stay). The first signal only sets
 ``Preemption.signal``; the loop (``controller/training.py``) reads it after each step (a
-checkpoint, then ``RunPreempted``) and before the first one. The second signal SIGKILLs every
+checkpoint, then ``RunPreempted``) and before the first one; the watchdog ends a loop that has
+not stopped ``run.stall_timeout_s`` after it (``Watchdog.stop_asked``). The second signal SIGKILLs every
 process of the run (``processes.kill_own_processes``) and exits with ``128 + signal``, without
 unwinding: a hung step cannot hold it.
 
@@ -17,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +55,8 @@ class Preemption:
 
     tag: str = ""
     signal: int | None = None
+    at: float | None = None
+    """When (``time.monotonic``) the first signal came: the watchdog bounds the stop from then."""
 
     @property
     def requested(self) -> bool:
@@ -61,7 +65,7 @@ class Preemption:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signal is None:
-            self.signal = signum
+            self.signal, self.at = signum, time.monotonic()
             log.warning("%s: stopping after the current step (checkpoint, then exit); send it again to stop now", name)
             return
         log.warning("%s again: stopping now, killing the run's processes", name)

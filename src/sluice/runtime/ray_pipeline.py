@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -45,10 +46,11 @@ from sluice.runtime.ray_supervision import (
     supervised,
     when_alive,
 )
-from sluice.runtime.supervision import Heartbeat, WorkerDied, WorkerLost
+from sluice.runtime.supervision import Heartbeat, WorkerDied, WorkerLost, abandon
 from sluice.schedule.failures import RunStopped
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
+from sluice.weights import ObjectStoreWeightSync
 
 T = TypeVar("T")
 
@@ -68,6 +70,9 @@ class RayPipeline(_Pipeline):
         from sluice.queue import AsyncRayQueue, RayQueue
 
         super().__init__(spec, prompts)
+        self.key = secrets.token_hex(4)
+        """This pipeline's part of its named actors' names (a restarted run's next pipeline may
+        reuse the first's ``id``)."""
         ensure_ray(address)
         cluster, nodes = ray.cluster_resources(), placement(spec).node_workers
         self.extra_rollouts = spec.config.resources.rollout.workers - 1
@@ -78,10 +83,12 @@ class RayPipeline(_Pipeline):
         # a row is freed once every task read it: a long run's queue holds the rows in flight only
         units = spec.config.queue.storage_units
         self.queue = RayQueue.create(num_storage_units=units, tasks=queue_tasks(spec), free_consumed=True)
+        self.queue_controllers = self.queue.controllers()
+        """Each queue task's controller actor (watched like the workers)."""
         fleet = spec.config.fleet  # a broadcast group meets on trainer rank 0's node, not the driver's
         meet = self.placement.free_address_on(plan.trainers[0]) if fleet.weight_transfer == "broadcast" else None
         self.weight_sync, self.engine_weight_sync = weight_syncs(
-            fleet, f"sluice-weights-{os.getpid()}-{id(self)}", meet
+            fleet, f"sluice-weights-{os.getpid()}-{self.key}", meet
         )
         rollout_threads = spec.rollout_threads * (1 + self.extra_rollouts)
         over = rollout_threads + spec.trainer_threads * spec.ranks > (os.cpu_count() or 1)
@@ -99,7 +106,7 @@ class RayPipeline(_Pipeline):
         if spec.critic is not None:
             from sluice.weights import ObjectStoreWeightSync
 
-            self.critic_sync = ObjectStoreWeightSync(name=f"sluice-critic-{os.getpid()}-{id(self)}")
+            self.critic_sync = ObjectStoreWeightSync(name=f"sluice-critic-{os.getpid()}-{self.key}")
         kwargs = trainer_kwargs(spec, self.queue, self.weight_sync, self.critic_sync)
         runtime, trainer_cls = _runtime(spec.trainer_threads, over), supervised(TrainerWorker)
         self.trainer_actors = [
@@ -228,6 +235,7 @@ class RayPipeline(_Pipeline):
         finally:
             for task in served:
                 task.cancel()
+            abandon(running)  # cancelled with its awaiter (a stopped run): nothing left to print
 
     async def finish_step(self) -> dict[str, float]:
         """Every rank's optimizer step (they meet in the gradient all-reduce); rank 0 reports."""
@@ -313,11 +321,19 @@ class RayPipeline(_Pipeline):
         ]
 
     def _named_actors(self) -> list[tuple[str, Any]]:
-        """This pipeline's worker actors with their names (the heartbeats' and deaths')."""
+        """This pipeline's actors with their names (the heartbeats' and deaths'): the workers, the
+        queue's storage units and controllers, the weight registries."""
         named = [("rollout worker", self.rollout_actor)]
         for rank, actor in enumerate(self.trainer_actors):
             named.append((f"trainer (rank {rank})" if self.spec.ranks > 1 else "trainer", actor))
         named += self._named_node_workers()
+        units = self.queue.units
+        unit_names = [f"queue storage unit {k}" if len(units) > 1 else "queue storage unit" for k in range(len(units))]
+        named += list(zip(unit_names, units, strict=True))
+        named += [(f"queue controller of task '{task}'", ctl) for task, ctl in self.queue_controllers.items()]
+        for what, sync in (("weight registry", self.weight_sync), ("critic weight registry", self.critic_sync)):
+            if isinstance(sync, ObjectStoreWeightSync):  # a broadcast group has no registry actor
+                named.append((what, sync.actor()))
         return named
 
     def _named_node_workers(self) -> list[tuple[str, Any]]:
@@ -340,8 +356,6 @@ class RayPipeline(_Pipeline):
 
     def close(self) -> None:
         import ray
-
-        from sluice.weights import ObjectStoreWeightSync
 
         for handle in (self.rollout_actor, *self.trainer_actors, *self.node_actors):
             if handle is not None:

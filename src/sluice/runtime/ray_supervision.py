@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+from sluice.api.health import HEALTH
 from sluice.queue.direct import PeerUnreachable
 from sluice.runtime.supervision import WorkerDied
 
@@ -26,8 +27,6 @@ ROLLOUT_RESTARTS = 3
 """How many times Ray restarts a dead rollout worker before its death stops the run."""
 RESTART_TIMEOUT_S = 180.0
 """How long a restarted rollout worker may take to start (a Ray worker, its engine, its model)."""
-HEALTH = "health"
-"""The concurrency group of every worker actor's ``heartbeat``."""
 ACTOR_ROLES = {
     "RolloutWorker": "rollout worker",
     "TrainerWorker": "trainer",

@@ -5,7 +5,9 @@ worker for a heartbeat (a Ray actor answers in a concurrency group of its own, s
 step does not delay the answer: it answers with its CPU seconds) and reads the loop's progress;
 a worker that has not answered, or a loop that has not moved while no worker computes (a long
 train step is progress; a deadlock is not), for ``run.stall_timeout_s`` stops the run with
-``WorkerStalled``: one line naming it. A replaceable worker (the rollout worker) that stalls is killed instead, so
+``WorkerStalled``: one line naming it. So does a loop asked to stop (SIGTERM / SIGINT,
+``runtime/preemption.py``) that has not stopped ``run.stall_timeout_s`` later, busy or not: a
+signal always ends the run in bounded time. A replaceable worker (the rollout worker) that stalls is killed instead, so
 Ray restarts it and the loop regenerates its groups. A worker whose heartbeat finds it dead and
 that cannot be replaced (a trainer rank, a queue-task worker) stops the run with ``WorkerDied``.
 
@@ -34,6 +36,10 @@ T = TypeVar("T")
 RESUME_HINT = "resume=auto continues this run from its last checkpoint"
 BUSY_SHARE = 0.25
 """A worker using at least this share of a core is working (an idle one uses ~1 %)."""
+FIRST_ANSWER_S = 180.0
+"""How long a worker has to answer its first heartbeat, if ``run.stall_timeout_s`` is shorter: a
+Ray actor answers nothing until its constructor returns (its process, imports, a model load),
+which on a busy machine can take longer than a short stall timeout."""
 
 
 class WorkerDied(RunStopped):
@@ -78,14 +84,28 @@ class Heartbeat:
 class Watchdog:
     """Stops the run when a worker or the loop goes silent for ``timeout_s`` (see the module)."""
 
-    def __init__(self, timeout_s: float, beats: Sequence[Heartbeat], progress: Callable[[], Hashable]) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        beats: Sequence[Heartbeat],
+        progress: Callable[[], Hashable],
+        stop_asked: Callable[[], float | None] = lambda: None,
+        first_answer_s: float = FIRST_ANSWER_S,
+    ) -> None:
         self.timeout_s = timeout_s
+        self.first_answer_s = max(timeout_s, first_answer_s)
+        """How long a worker has to answer its first heartbeat."""
         self.beats = list(beats)
         self.progress = progress
+        self.stop_asked = stop_asked
+        """When (``time.monotonic``) a stop was asked (SIGTERM / SIGINT), else ``None``: the loop
+        has ``timeout_s`` from then to stop, however busy its workers are."""
         self.interval_s = min(5.0, timeout_s / 4)
         self.replaced: dict[str, int] = {}
         """Stalled replaceable workers killed, by worker."""
         self._heard: dict[str, float] = {}
+        self._answered: set[str] = set()
+        """Workers that answered a heartbeat (the others have ``FIRST_ANSWER_S``)."""
         self._failure: RunStopped | None = None
         self._paused = 0
         self._moved = 0.0
@@ -120,13 +140,17 @@ class Watchdog:
                 if self._paused or current != seen or self._working(now):
                     self._moved, seen = now, current
                 for beat in self.beats:
-                    if now - self._heard[beat.worker] > self.timeout_s:
+                    limit = self.timeout_s if beat.worker in self._answered else self.first_answer_s
+                    if now - self._heard[beat.worker] > limit:
                         await self._silent(beat, now)
                 # every worker answers, yet nothing moves: the loop itself hangs (a silent worker
                 # gets its own verdict, naming it)
                 answering = not self._replacing and all(now - t <= 2 * self.interval_s for t in self._heard.values())
                 if self._failure is None and answering and now - self._moved > self.timeout_s:
                     self._failure = WorkerStalled("training loop", now - self._moved, "made no progress")
+                asked = self.stop_asked()
+                if self._failure is None and asked is not None and now - asked > self.timeout_s:
+                    self._failure = WorkerStalled("training loop", now - asked, "did not stop when asked to")
             raise self._failure
         finally:
             for task in pingers:
@@ -148,6 +172,7 @@ class Watchdog:
             try:
                 answer = await beat.ping()
                 self._heard[beat.worker] = time.monotonic()
+                self._answered.add(beat.worker)
                 if beat.worker in self._replacing:  # replaced: the loop gets a whole timeout to move again
                     self._replacing.discard(beat.worker)
                     self._moved = self._heard[beat.worker]
@@ -194,3 +219,12 @@ async def supervised(work: Awaitable[T], watchdog: Watchdog | None) -> T:
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
+
+
+def abandon(future: asyncio.Future[object]) -> None:
+    """Cancel ``future`` (a gather nobody will await once its awaiter stopped) and take its outcome
+    when it comes, so that asyncio never prints ``exception was never retrieved`` after the run's
+    one line."""
+    if not future.done():
+        future.cancel()
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())

@@ -13,7 +13,8 @@ The registry actor itself puts each version's object (a Ray object dies with the
 put it; this costs one copy of the weights within the object store), so a replaced rollout
 worker can fetch the current weights even after their publisher died. The registry actor
 belongs to the process that created it (non-detached); if it dies, the run's weights are gone
-and the run ends.
+and the run ends. It answers ``heartbeat`` in the ``HEALTH`` group (``api/health.py``), so a
+stopped registry is named by the run's watchdog.
 
 Not here: applying weights (``InferenceEngine.update_weights``), GPU collectives (NCCL
 broadcast).
@@ -22,6 +23,7 @@ broadcast).
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sluice.api.health import HEALTH
 from sluice.weights.local import NO_VERSION, check_keep, check_publish, missing_version
 
 Packed = dict[str, tuple[np.ndarray, str, tuple[int, ...]]]  # name -> (uint8 bytes, dtype, shape)
@@ -79,6 +82,9 @@ class _Registry:
     def versions(self) -> list[int]:
         return sorted(self._refs)
 
+    def heartbeat(self) -> float:
+        return time.process_time()  # in the HEALTH group: answered beside a store
+
 
 class ObjectStoreWeightSync:
     """``WeightSync`` over the Ray object store (see the module docstring).
@@ -92,7 +98,7 @@ class ObjectStoreWeightSync:
         import ray
 
         self.name, self.keep, self.namespace = name, check_keep(keep), namespace
-        registry = ray.remote(num_cpus=0)(_Registry)
+        registry = ray.remote(num_cpus=0, concurrency_groups={HEALTH: 1})(_Registry)
         self._registry: Any = registry.options(name=name, namespace=namespace, get_if_exists=True).remote(keep)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -128,6 +134,10 @@ class ObjectStoreWeightSync:
         with contextlib.suppress(ValueError):  # no actor of that name left (it died: the run's error says so)
             ray.kill(self._handle())
         self._registry = None
+
+    def actor(self) -> Any:
+        """The registry actor's handle (the run's watchdog pings its ``heartbeat``)."""
+        return self._handle()
 
     def _handle(self) -> Any:
         if self._registry is None:
