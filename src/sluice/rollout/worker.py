@@ -50,7 +50,13 @@ from sluice.rollout.filters import FILTERS
 from sluice.rollout.groups import GroupRunner
 from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.proxy import LLMProxy
-from sluice.rollout.replicas import engine_fingerprint, start_engine_actors, watch_replicas
+from sluice.rollout.replicas import (
+    LocalReplica,
+    RayReplica,
+    engine_fingerprint,
+    start_engine_actors,
+    watch_replicas,
+)
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
@@ -155,19 +161,21 @@ class RolloutWorker:
                 placement=replica_options,
             )  # fmt: skip
 
+        def new_engines(count: int) -> list[Any]:
+            if self.resources.replica_actors:
+                return engine_actors(count)
+            return [
+                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
+                for _ in range(count)
+            ]
+
         async def replacement() -> Any:
-            self.engines += engine_actors(1)
+            self.engines += new_engines(1)
             return self.engines[-1]
 
-        actors, replicas = self.resources.replica_actors, self.resources.replicas
-        self.engines = (
-            engine_actors(replicas)
-            if actors
-            else [
-                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
-                for _ in range(replicas)
-            ]
-        )
+        actors = self.resources.replica_actors
+        self._new_engine = replacement
+        self.engines = new_engines(self.resources.replicas)
         return LLMProxy(
             self.engines,
             prompt_replication=rollout.prompt_replication,
@@ -178,6 +186,29 @@ class RolloutWorker:
             replace=replacement if actors else None,
             replacements=ENGINE_REPLACEMENTS,
         )
+
+    async def resize(self, change: int) -> int:
+        """Add (``change`` > 0) or remove (< 0) that many replicas while groups generate
+        (``fleet.rebalance``): a newcomer loads the newest weights before the proxy routes to it; a
+        leaving one's requests continue on the others from their partial responses, then its actor
+        is stopped. Returns the replicas now."""
+        for _ in range(change):
+            await self.proxy.add_replica(await self._new_engine())
+        for _ in range(-change):
+            replica = self.proxy.replicas[-1]
+            await self.proxy.remove_replica(self.proxy.replica_ids[-1])
+            self._stop_engine(replica)
+        return len(self.proxy.replica_ids)
+
+    def _stop_engine(self, replica: Any) -> None:
+        """Forget a removed replica's engine (an actor is killed; an in-process one is dropped)."""
+        if isinstance(replica, RayReplica):
+            import ray
+
+            self.engines.remove(replica.handle)
+            ray.kill(replica.handle)
+        elif isinstance(replica, LocalReplica):
+            self.engines.remove(replica.engine)
 
     async def run_groups(
         self, groups: Sequence[tuple[PromptItem, int]], partitions: Mapping[int, Partition] | None = None
