@@ -49,6 +49,7 @@ from sluice.rollout.evaluate import EvalResult, evaluate_async
 from sluice.rollout.filters import FILTERS
 from sluice.rollout.groups import GroupRunner
 from sluice.rollout.length_ranker import OnlineLengthRanker
+from sluice.rollout.model_ranker import SequenceLengthRanker
 from sluice.rollout.proxy import LLMProxy
 from sluice.rollout.replicas import (
     LocalReplica,
@@ -60,6 +61,9 @@ from sluice.rollout.replicas import (
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
+
+LENGTH_RANKERS = {"ridge": OnlineLengthRanker, "model": SequenceLengthRanker}
+"""``fleet.length_ranker``: the ``LengthPredictor`` behind longest-predicted-first dispatch."""
 
 ENGINE_REPLACEMENTS = 3
 """How many dead replica actors (``resources.rollout.replica_actors``) a run replaces; the next
@@ -180,7 +184,7 @@ class RolloutWorker:
             self.engines,
             prompt_replication=rollout.prompt_replication,
             stagger=rollout.stagger,
-            length_predictor=OnlineLengthRanker() if fleet.lpt else None,
+            length_predictor=(LENGTH_RANKERS[fleet.length_ranker]() if fleet.lpt else None),
             slots=max_batch,
             long_tail=long_tail_split(fleet, max_batch),
             replace=replacement if actors else None,
