@@ -40,12 +40,10 @@ from pathlib import Path
 
 import torch
 
-from sluice.api import GenerationRequest, SamplingParams
+from sluice.api import GenerationRequest, LengthPredictor, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
-from sluice.api import LengthPredictor
-from sluice.rollout.length_ranker import OnlineLengthRanker, lpt_order, top_share_recall
-from sluice.rollout.worker import LENGTH_RANKERS
+from sluice.rollout.length_ranker import lpt_order, top_share_recall
 from sluice.rollout.single_turn import sample_seed
 from sluice.rollout.skew_dispatch import (
     DispatchPlan,
@@ -54,6 +52,7 @@ from sluice.rollout.skew_dispatch import (
     replica_makespan,
     skewness_aware_dispatch,
 )
+from sluice.rollout.worker import LENGTH_RANKERS
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
 from sluice.tasks.spec import eval_rows, generate_rows
@@ -113,7 +112,9 @@ def _hidden_rule_lengths(args: argparse.Namespace) -> dict:
 
     def prompt() -> tuple[int, ...]:
         density = rng.uniform(0.0, 0.3)
-        body = [rng.randrange(16) if rng.random() < density else rng.randrange(40, 200) for _ in range(rng.randint(8, 64))]
+        body = [
+            rng.randrange(16) if rng.random() < density else rng.randrange(40, 200) for _ in range(rng.randint(8, 64))
+        ]
         body[-1] = rng.randrange(16, 40) if rng.random() < 0.3 else rng.randrange(40, 200)
         return tuple(body)
 
@@ -148,7 +149,9 @@ def _recall_rows(data: dict, args: argparse.Namespace) -> tuple[list[tuple[str, 
         seen, cpu = 0, 0.0
         for checkpoint in sorted({c for c in (0, 16, 64, 256, args.train) if c <= args.train}):
             started = time.process_time()
-            for ids, lengths in zip(data["train_ids"][seen:checkpoint], data["train_len"][seen:checkpoint], strict=True):
+            for ids, lengths in zip(
+                data["train_ids"][seen:checkpoint], data["train_len"][seen:checkpoint], strict=True
+            ):
                 for n in lengths:
                     ranker.observe(ids, n)
             seen = checkpoint
@@ -185,7 +188,9 @@ def _dispatch_rows(
         lpt = lpt_order(predicted)
         lpt_plan = DispatchPlan((), tuple(tuple(lpt[r::replicas]) for r in range(replicas)), (cap,) * replicas, (), 0.0)
         plans.append((f"LPT, {name}", lpt_plan))
-        plans.append((f"skewness-aware + LPT, {name}", skewness_aware_dispatch(predicted, replicas, step_time, max_batch=cap)))
+        plans.append(
+            (f"skewness-aware + LPT, {name}", skewness_aware_dispatch(predicted, replicas, step_time, max_batch=cap))
+        )
     plans.append(("skewness-aware + LPT, oracle", skewness_aware_dispatch(actual, replicas, step_time, max_batch=cap)))
     return [(name, _run_plan(plan, actual, step_time)) for name, plan in plans]
 

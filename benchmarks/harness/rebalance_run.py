@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sluice.schedule.rebalance import RebalanceEvent, RebalanceRule, Rebalancer
+from sluice.schedule.rebalance import RebalanceEvent, Rebalancer, RebalanceRule
 from sluice.sim.engine import LengthModel
 from sluice.sim.simulate import CostedTrainerPipeline, SimConfig, SimResult, simulate
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from harness.rebalance_run import run_with_shift
 
-from sluice.schedule.rebalance import RebalanceRule, Rebalancer, decide
+from sluice.schedule.rebalance import Rebalancer, RebalanceRule, decide
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
 from sluice.sim.simulate import SimConfig

@@ -5,8 +5,9 @@ After a step it reads the step's measured times — the time in the trainer's ca
 from push admission — and the proxy's busy replica-seconds since the last step (``busy_s``, per
 replica: generation's time); ``schedule/rebalance.py``'s ``Rebalancer`` decides, the pipeline's
 ``resize_rollout`` adds or removes a replica, and each change is a ``rebalance`` record with its
-reason in ``metrics.jsonl``. The first step is not judged (it carries the run's start-up). It decides nothing itself and moves no sample: the proxy continues
-a removed replica's requests elsewhere.
+reason in ``metrics.jsonl``. The first step is not judged (it carries the run's start-up). It
+decides nothing itself and moves no sample: the proxy continues a removed replica's requests
+elsewhere.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import asdict
 from typing import Protocol
 
 from sluice.config import SluiceConfig
-from sluice.schedule.rebalance import RebalanceRule, Rebalancer
+from sluice.schedule.rebalance import Rebalancer, RebalanceRule
 from sluice.telemetry.metrics import JsonlMetrics
 
 

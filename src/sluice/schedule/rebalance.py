@@ -2,9 +2,9 @@
 
 After each training step the run reports the step's wall time (``step_s``), how long the
 trainer computed (``train_s``) and how long generation kept the replicas busy (``generation_s``,
-per replica). Decisions use the mean of the last ``window`` steps (none before ``window`` steps ran). With ``r`` replicas, one more
-would cut generation to about ``generation_s · r / (r + 1)``, one fewer would raise it to
-``generation_s · r / (r − 1)``:
+per replica). Decisions use the mean of the last ``window`` steps (none before ``window`` steps
+ran). With ``r`` replicas, one more would cut generation to about ``generation_s · r / (r + 1)``,
+one fewer would raise it to ``generation_s · r / (r − 1)``:
 
 - **add** a replica when the step waited for generation (``step_s > train_s · (1 + margin)``)
   and generation would still lag training even with one more
