@@ -83,3 +83,32 @@ def test_rebalancer_averages_its_window():
     rebalancer = Rebalancer(RebalanceRule(window=2, cooldown=2))
     assert rebalancer.observe(1, 4.0, 1.0, 4.0, 2) == 0  # alone this step would remove one (2 < 3.6) ...
     assert rebalancer.observe(2, 20.0, 19.0, 4.0, 2) == 1  # ... but the window's mean (12, 10, 4) lags: add
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["run.controller=multi", "run.backend=ray"], r"fleet\.rebalance needs run\.controller: single"),
+        (
+            ["fleet.rebalance_window=3"],
+            r"fleet\.rebalance_cooldown \(2\) must be at least fleet\.rebalance_window \(3\)",
+        ),
+        (["resources.rollout.replicas=2", "resources.rollout.max_replicas=1"], r"replicas \(2\) <= max_replicas \(1\)"),
+        (["resources.rollout.min_replicas=2"], r"min_replicas \(2\) <= replicas \(1\)"),
+    ],
+)
+def test_rebalance_options_a_run_cannot_honour_are_refused(overrides, message):
+    from sluice.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["fleet.rebalance=true", *overrides])
+
+
+def test_a_runs_rule_comes_from_its_config():
+    from sluice.config import load_config
+    from sluice.controller.rebalancing import rebalance_rule
+
+    config = load_config(None, ["fleet.rebalance=true", "resources.rollout.replicas=2", "fleet.rebalance_margin=0.2"])
+    assert rebalance_rule(config) == RebalanceRule(min_replicas=1, max_replicas=2, margin=0.2, window=2, cooldown=2)
+    config = load_config(None, ["resources.rollout.max_replicas=4", "resources.rollout.min_replicas=1"])
+    assert rebalance_rule(config).max_replicas == 4
