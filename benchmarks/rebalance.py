@@ -1,5 +1,6 @@
 """Dynamic rebalancing on simulated replicas: response lengths grow 4x mid-run; a fixed fleet of
-2 replicas vs the ``Rebalancer`` adding replicas through the real ``LLMProxy``.
+2 replicas vs sluice's ``Rebalancer`` (the rule of ``fleet.rebalance``) adding replicas through
+the real ``LLMProxy``.
 
 Every row drives sluice's ``Controller``, ledger, ``LLMProxy`` and ``GroupRunner`` over
 ``SimEngine`` replicas on the virtual clock (``harness/rebalance_run.py``), so the numbers are exact
@@ -17,9 +18,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from harness.rebalance import RebalanceConfig
 from harness.rebalance_run import RebalanceRun, run_with_shift
 
+from sluice.schedule.rebalance import RebalanceRule
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
 from sluice.sim.simulate import SimConfig
@@ -90,7 +91,7 @@ def main() -> None:
                        prompt_len=16, steps=args.steps, eta=1)  # fmt: skip
     runs = {
         "fixed 2 replicas": run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=None),
-        "rebalancer": run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=RebalanceConfig()),
+        "rebalancer": run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=RebalanceRule()),
     }
     print(f"{'variant':<18} {'before s':>9} {'after s':>8} {'last s':>7} {'trainer s':>9} {'replicas':>8}")
     results = {}

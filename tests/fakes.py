@@ -200,6 +200,37 @@ class RecordingEngine:
         return getattr(self.engine, name)
 
 
+class ThrottledEngine:
+    """Wraps a real ``InferenceEngine`` as a replica of fixed capacity: one request at a time, each
+    first holding the replica for ``delay_s(version)`` seconds (the engine's weight version), so a
+    test slows generation on purpose for some versions and one more replica adds capacity. An abort
+    while a request waits its turn returns it at once with no tokens."""
+
+    def __init__(self, engine: Any, delay_s: Any) -> None:
+        self.engine = engine
+        self.delay_s = delay_s
+        self._turn = asyncio.Lock()
+        self._aborted: set[str] = set()
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        rid = request.request_id
+        async with self._turn:
+            if rid not in self._aborted:
+                await asyncio.sleep(self.delay_s(self.engine.stats()["version"]))
+            if rid in self._aborted:
+                self._aborted.discard(rid)
+                return Completion(rid, request.prompt_ids, (), (), (), "abort")
+            result: Completion = await self.engine.generate(request)
+            return result
+
+    def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+        self.engine.abort(request_id)
+
+    def __getattr__(self, name: str) -> Any:  # pause, resume, update_weights, stats, version, checksum
+        return getattr(self.engine, name)
+
+
 def length_reward(response: str, **_: Any) -> float:
     """A reward with signal on any model: longer responses score higher (capped at 1)."""
     return min(len(response) / 8.0, 1.0)

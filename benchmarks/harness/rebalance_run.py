@@ -1,17 +1,18 @@
 """The rebalancer's control loop on simulated replicas: a pipeline simulation whose response
-lengths change at a given step, with or without a ``Rebalancer`` acting through the real
+lengths change at a given step, with or without sluice's ``Rebalancer``
+(``sluice/schedule/rebalance.py``, the rule ``fleet.rebalance`` runs) acting through the real
 ``LLMProxy``. It measures, after each step, the replicas' busy seconds per replica (generation)
 and the trainer's busy seconds (training), the numbers a real run's step metrics and trace give,
 and records per-step rows for plots and tests.
 
-It does not decide anything itself (``harness.rebalance.decide``) and is not used by real runs.
+It does not decide anything itself (the product's ``Rebalancer`` does) and is not used by real runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from harness.rebalance import RebalanceConfig, RebalanceEvent, Rebalancer
+from sluice.schedule.rebalance import RebalanceEvent, Rebalancer, RebalanceRule
 from sluice.sim.engine import LengthModel
 from sluice.sim.simulate import CostedTrainerPipeline, SimConfig, SimResult, simulate
 
@@ -33,7 +34,7 @@ class RebalanceRun:
 
 
 def run_with_shift(
-    config: SimConfig, *, shift_at: int, lengths: LengthModel, rebalance: RebalanceConfig | None
+    config: SimConfig, *, shift_at: int, lengths: LengthModel, rebalance: RebalanceRule | None
 ) -> RebalanceRun:
     """Simulate ``config``; after step ``shift_at`` every replica (and every later one) draws
     response lengths from ``lengths``. With ``rebalance``, a ``Rebalancer`` adds or removes
@@ -58,8 +59,12 @@ def run_with_shift(
             for engine in pipeline.traced:
                 engine.config = pipeline.engine_config
         if rebalance is not None:
-            rebalancer = holder.setdefault("r", Rebalancer(pipeline.proxy, pipeline.new_engine, rebalance))
-            await rebalancer.update(version, row.step_s, generation, train)
+            rebalancer = holder.setdefault("r", Rebalancer(rebalance))
+            change = rebalancer.observe(version, row.step_s, generation, train, replicas)
+            if change > 0:
+                await pipeline.proxy.add_replica(pipeline.new_engine())
+            elif change < 0:
+                await pipeline.proxy.remove_replica(pipeline.proxy.replica_ids[-1])
 
     result = simulate(config, on_step)
     return RebalanceRun(result, rows, holder["r"].events if holder else [])

@@ -42,9 +42,11 @@ def test_broadcast_weight_transfer_trains_like_sync(tiny_task_model, tmp_path, r
     assert fingerprint["engine_checksum"] == fingerprint["trainer_checksum"]
 
 
-def test_longest_first_dispatch_on_the_live_path(tiny_task_model, tmp_path):
+@pytest.mark.parametrize("ranker", ["ridge", "model"])
+def test_longest_first_dispatch_on_the_live_path(tiny_task_model, tmp_path, ranker):
     records, _ = _run(
-        tiny_task_model, tmp_path, "lpt", "run.mode=async", "run.backend=local", "fleet.lpt=true",
+        tiny_task_model, tmp_path, f"lpt_{ranker}", "run.mode=async", "run.backend=local", "fleet.lpt=true",
+        f"fleet.length_ranker={ranker}",
     )  # fmt: skip
     assert len([r for r in records if r["kind"] == "train"]) == 2
     proxy = next(r for r in records if r["kind"] == "proxy")  # the LLMProxy's counters at the run's end

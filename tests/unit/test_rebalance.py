@@ -4,14 +4,14 @@ reacting to an injected length shift through the real LLMProxy."""
 from __future__ import annotations
 
 import pytest
-from harness.rebalance import RebalanceConfig, decide
 from harness.rebalance_run import run_with_shift
 
+from sluice.schedule.rebalance import Rebalancer, RebalanceRule, decide
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
 from sluice.sim.simulate import SimConfig
 
-RULE = RebalanceConfig(min_replicas=1, max_replicas=4, margin=0.1)
+RULE = RebalanceRule(min_replicas=1, max_replicas=4, margin=0.1)
 
 
 @pytest.mark.parametrize(
@@ -33,9 +33,9 @@ def test_decide(step_s, generation_s, train_s, replicas, change):
 
 def test_bad_rebalance_config_is_refused():
     with pytest.raises(ValueError, match="min_replicas"):
-        RebalanceConfig(min_replicas=3, max_replicas=2)
+        RebalanceRule(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="cooldown"):
-        RebalanceConfig(window=3, cooldown=1)
+        RebalanceRule(window=3, cooldown=1)
 
 
 ENGINE = SimEngineConfig(decode_s=0.02, knee=16, max_running=64, prefill_s_per_token=1e-4, load_s=0.5,
@@ -62,24 +62,53 @@ def test_rebalancer_adds_replicas_after_a_length_shift_and_the_step_recovers():
     assert max(balanced.result.staleness) <= 1
 
 
-def test_rebalancer_acts_on_the_proxy_and_stops_adding_when_it_does_not_pay():
-    from harness.rebalance import Rebalancer
+def test_rebalancer_waits_out_its_cooldown_and_stops_adding_when_it_does_not_pay():
+    rebalancer = Rebalancer(RebalanceRule(window=1, cooldown=1))
+    steps = [  # (step_s, generation_s, train_s) and the replicas that ran the step
+        (10.0, 10.0, 4.0, 2),  # generation lags: add
+        (10.0, 9.0, 4.0, 3),  # cooldown
+        (10.0, 9.0, 4.0, 3),  # the add did not shorten the step: adding stops at this load
+        (10.0, 9.0, 4.0, 3),  # so no more adds
+        (20.0, 18.0, 4.0, 3),  # lengths grew: adding resumes
+        (4.0, 1.0, 8.0, 4),  # cooldown
+        (8.0, 1.0, 8.0, 4),  # training lags: remove
+    ]
+    changes = [rebalancer.observe(k, *row) for k, row in enumerate(steps, 1)]
+    assert changes == [1, 0, 0, 0, 1, 0, -1]
+    assert [(e.step, e.change, e.replicas) for e in rebalancer.events] == [(1, 1, 3), (3, 0, 3), (5, 1, 4), (7, -1, 3)]
+    assert "generation lags" in rebalancer.events[0].reason and "waits for nothing" in rebalancer.events[-1].reason
 
-    from sluice.rollout.proxy import LLMProxy
-    from sluice.sim import SimEngine, run_virtual
 
-    async def scenario():
-        proxy = LLMProxy([SimEngine(ENGINE), SimEngine(ENGINE)])
-        rebalancer = Rebalancer(proxy, lambda: SimEngine(ENGINE), RebalanceConfig(window=1, cooldown=1))
-        changes = [await rebalancer.update(1, 10.0, 10.0, 4.0)]  # generation lags: add
-        changes.append(await rebalancer.update(2, 10.0, 9.0, 4.0))  # cooldown
-        changes.append(await rebalancer.update(3, 10.0, 9.0, 4.0))  # the add did not shorten the step
-        changes.append(await rebalancer.update(4, 10.0, 9.0, 4.0))  # so no more adds at this load
-        changes.append(await rebalancer.update(5, 20.0, 18.0, 4.0))  # lengths grew: adding resumes
-        changes.append(await rebalancer.update(6, 4.0, 1.0, 8.0))  # cooldown
-        changes.append(await rebalancer.update(7, 8.0, 1.0, 8.0))  # training lags: remove
-        return changes, len(proxy.replica_ids), rebalancer.events
+def test_rebalancer_averages_its_window():
+    rebalancer = Rebalancer(RebalanceRule(window=2, cooldown=2))
+    assert rebalancer.observe(1, 4.0, 1.0, 4.0, 2) == 0  # alone this step would remove one (2 < 3.6) ...
+    assert rebalancer.observe(2, 20.0, 19.0, 4.0, 2) == 1  # ... but the window's mean (12, 10, 4) lags: add
 
-    changes, replicas, events = run_virtual(scenario())
-    assert changes == [1, 0, 0, 0, 1, 0, -1] and replicas == 3
-    assert [e.change for e in events] == [1, 0, 1, -1]
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["run.controller=multi", "run.backend=ray"], r"fleet\.rebalance needs run\.controller: single"),
+        (
+            ["fleet.rebalance_window=3"],
+            r"fleet\.rebalance_cooldown \(2\) must be at least fleet\.rebalance_window \(3\)",
+        ),
+        (["resources.rollout.replicas=2", "resources.rollout.max_replicas=1"], r"replicas \(2\) <= max_replicas \(1\)"),
+        (["resources.rollout.min_replicas=2"], r"min_replicas \(2\) <= replicas \(1\)"),
+    ],
+)
+def test_rebalance_options_a_run_cannot_honour_are_refused(overrides, message):
+    from sluice.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["fleet.rebalance=true", *overrides])
+
+
+def test_a_runs_rule_comes_from_its_config():
+    from sluice.config import load_config
+    from sluice.controller.rebalancing import rebalance_rule
+
+    config = load_config(None, ["fleet.rebalance=true", "resources.rollout.replicas=2", "fleet.rebalance_margin=0.2"])
+    assert rebalance_rule(config) == RebalanceRule(min_replicas=1, max_replicas=2, margin=0.2, window=2, cooldown=2)
+    config = load_config(None, ["resources.rollout.max_replicas=4", "resources.rollout.min_replicas=1"])
+    assert rebalance_rule(config).max_replicas == 4

@@ -22,6 +22,15 @@ class FleetConfig(_Section):
     slots (more samples in flight than ``rollout.max_batch`` × replicas): long samples start first
     instead of last."""
 
+    length_ranker: Literal["ridge", "model"] = "ridge"
+    """``lpt``: what predicts response lengths. ``ridge`` (an online ridge regression on hashed
+    prompt tokens and token pairs: microseconds per observation) or ``model`` (StreamRL's learned
+    ranker: a tiny causal sequence model, a GRU over the prompt's tokens with a regression head,
+    trained every 64 finished samples on the run's latest 4,096; about 12 ms of the rollout
+    worker's CPU per finished sample). Use ``model`` when lengths follow rules over where tokens
+    sit in the prompt (an instruction at its end, a count of sub-questions): on such a workload it
+    found 84 % of the longest 20 % against the ridge's 33 % (docs/rollout.md)."""
+
     long_tail_replicas: int = Field(default=0, ge=0)
     """Skewness-aware dispatch (StreamRL): replicas dedicated to the requests the length ranker
     predicts to be in the long tail (longer than all but the top ``long_tail_share`` of the last
@@ -42,6 +51,30 @@ class FleetConfig(_Section):
     ``rollout.max_batch``); the engine's batch-size knee, where per-token time starts to grow, is
     the natural choice."""
 
+    rebalance: bool = False
+    """Dynamic rebalancing (StreamRL §4): after each step, compare the rollout replicas' busy
+    time (per replica) with the trainer's compute time and the time the step waited for
+    generation, averaged over ``rebalance_window`` steps; add a replica (up to
+    ``resources.rollout.max_replicas``) while generation is the bottleneck and one more replica
+    still leaves it behind, remove one (down to ``resources.rollout.min_replicas``) while the trainer
+    waits for nothing and one fewer would still keep up. A removed replica's requests continue on
+    another from their partial responses (nothing regenerated, nothing lost); an added one loads
+    the newest weights first. Each change is a ``rebalance`` record in ``metrics.jsonl`` with its
+    reason. Turn it on when response lengths drift during a run (generation grows or shrinks
+    relative to training) and there are devices or cores for more replicas. Single controller
+    (``run.controller: single``) only."""
+
+    rebalance_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """``rebalance``: the relative dead band around balance (0.1: act only when generation and
+    training differ by more than 10 %), so measurement noise does not flip replicas."""
+
+    rebalance_window: int = Field(default=2, ge=1)
+    """``rebalance``: steps averaged per decision (an async step alternates long and short)."""
+
+    rebalance_cooldown: int = Field(default=2, ge=1)
+    """``rebalance``: steps to let pass after a change before the next (at least
+    ``rebalance_window``, so the measurement reflects the change)."""
+
     weight_transfer: Literal["object_store", "broadcast"] = "object_store"
     """How a new policy version travels from trainer rank 0 to the rollout worker:
     ``object_store`` (one ``ray.put`` per version, fetched on demand; works on any Ray cluster) or
@@ -61,8 +94,15 @@ class FleetConfig(_Section):
     (a receiver waits inside a broadcast for the next version, so keep it above a step's time)."""
 
 
-def check_fleet(fleet: FleetConfig, backend: str) -> None:
+def check_fleet(fleet: FleetConfig, backend: str, controller: str = "single") -> None:
     """Refuse fleet options the run's placement cannot honour (one clear error)."""
+    if fleet.rebalance and controller != "single":
+        raise ValueError("fleet.rebalance needs run.controller: single (the driver measures each step)")
+    if fleet.rebalance and fleet.rebalance_cooldown < fleet.rebalance_window:
+        raise ValueError(
+            f"fleet.rebalance_cooldown ({fleet.rebalance_cooldown}) must be at least fleet.rebalance_window "
+            f"({fleet.rebalance_window})"
+        )
     if fleet.long_tail_replicas and not fleet.lpt:
         raise ValueError("fleet.long_tail_replicas needs fleet.lpt: true (the long tail is what the ranker predicts)")
     if fleet.weight_transfer == "broadcast" and backend != "ray":

@@ -318,7 +318,7 @@ class SluiceConfig(_Section):
 
     @model_validator(mode="after")
     def _fleet_placement(self) -> SluiceConfig:
-        check_fleet(self.fleet, self.run.backend)
+        check_fleet(self.fleet, self.run.backend, self.run.controller)
         return self
 
     resources: ResourcesConfig = ResourcesConfig()

@@ -24,6 +24,15 @@ class RolloutResources(_Section):
     routing). Without ``replica_actors`` they live in the rollout worker's process and share its
     ``threads``, so adding replicas never oversubscribes the cores (on CPU it adds no speed)."""
 
+    min_replicas: int = Field(default=1, ge=1)
+    """``fleet.rebalance``: the fewest replicas the rebalancer leaves (at most ``replicas``)."""
+
+    max_replicas: int | None = Field(default=None, ge=1)
+    """``fleet.rebalance``: the most replicas the rebalancer adds up to (at least ``replicas``;
+    ``null``: ``replicas``, so it only removes). Each added replica is one more engine: with
+    ``replica_actors`` one more actor (its own process, ``threads`` and, on accelerators, device),
+    else one more engine in the rollout worker's process."""
+
     replica_actors: bool = False
     """Run each replica in its own Ray actor (its own process and ``threads`` torch threads)
     instead of inside the rollout worker's process; the LLMProxy drives them through Ray, and
@@ -101,3 +110,9 @@ def check_resources(resources: ResourcesConfig, backend: str, strategy: str) -> 
         )
     if resources.rollout.replica_actors and backend != "ray":
         raise ValueError("resources.rollout.replica_actors needs run.backend: ray")
+    rollout = resources.rollout
+    if not rollout.min_replicas <= rollout.replicas <= (rollout.max_replicas or rollout.replicas):
+        raise ValueError(
+            f"need resources.rollout.min_replicas ({rollout.min_replicas}) <= replicas ({rollout.replicas}) "
+            f"<= max_replicas ({rollout.max_replicas})"
+        )

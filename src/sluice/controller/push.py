@@ -8,6 +8,8 @@ the trainer (``run.controller: single``, both modes).
 
 The ledger keeps the books and the staleness rule (``schedule/``); the pipeline does the work.
 With ``barrier`` (``run.mode: sync``) a step trains only once none of its groups is generating.
+Each step's metrics say how long it waited for generation (``step_wait_generation_s``, the
+trainer's idle share) and how long it spent in the trainer's calls (``step_train_s``).
 Every reported group also goes to the run's ``FailureBudget``: a reward or environment over
 budget stops admission and ends the run with its one-line ``RunStopped`` error. It runs no loop
 over versions (``loop.py`` does) and syncs no weights.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -96,21 +99,27 @@ class PushAdmission:
     async def train_step(self, version: int) -> tuple[list[int], dict[str, float]]:
         """Stream ``groups_per_step`` groups into the trainer as they are ready, then its
         optimizer step (``version → version + 1``)."""
+        started = time.monotonic()
         await self.pipeline.begin_step()
         chosen: list[int] = []
+        waited = 0.0  # the trainer had nothing to do: the step waited for generation
         while len(chosen) < self.groups_per_step:
             self._raise_failure()
             generating = self.barrier and self.ledger.in_flight > 0
             batch = [] if generating else self._choose(version, self.groups_per_step - len(chosen), len(chosen))
             if not batch:  # wait for a group to finish, be admitted, or be discarded
                 self._news.clear()
+                since = time.monotonic()
                 await self._news.wait()
+                waited += time.monotonic() - since
                 continue
             chosen += batch
             await self.pipeline.train_groups(batch)  # one call for every group ready now
         metrics = await self.pipeline.finish_step()
         self.ledger.trained(chosen, version)
-        return chosen, metrics
+        took = time.monotonic() - started
+        timing = {"step_train_s": took - waited, "step_wait_generation_s": waited, "trainer_idle_share": waited / took}
+        return chosen, {**metrics, **timing}
 
     def logged(self, chosen: list[int]) -> None:
         """The step's statistics are logged: its reports are done with."""

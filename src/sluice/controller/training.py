@@ -9,7 +9,8 @@ or an empty evaluation set), turns group reports into per-step statistics, saves
 model and writes the timeline (``trace.json``), the sample-fate counters and, every
 ``tracking.samples_every`` steps, a few of the trained samples (``samples.jsonl``). A stop request
 (SIGTERM / SIGINT, ``runtime/preemption.py``) ends the loop after the current step with a
-checkpoint. It adds no scheduling logic of its own.
+checkpoint. With ``fleet.rebalance`` each step is followed by a rebalancing decision
+(``rebalancing.py``). It adds no scheduling logic of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sluice.config import ConfigError, SluiceConfig
 from sluice.controller.loop import Admission, Controller, StepCallback
 from sluice.controller.multi import MultiRayPipeline, PullAdmission
 from sluice.controller.push import PushAdmission
+from sluice.controller.rebalancing import RunRebalancer, rebalance_rule
 from sluice.controller.resume import DriverState, restore_checkpoint, save_checkpoint
 from sluice.controller.run_state import TrainingRun
 from sluice.dag.loader import write_prompt_file
@@ -117,15 +119,22 @@ async def run_training(
         _stop_if_asked(stop, run)
         before = await pipeline.trace_events()  # the base evaluation's span (a resume's restore is dropped)
         controller = Controller(pipeline, admission)
+        rebalancer = RunRebalancer(rebalance_rule(cfg), pipeline, run.metrics) if cfg.fleet.rebalance else None
+        if rebalancer is not None:
+            await rebalancer.start()
         # a silent worker, or a loop that stops moving, ends the run (runtime/supervision.py)
         # ... and so does a stop request the loop has not honoured within the same time
         watchdog = Watchdog(cfg.run.stall_timeout_s, pipeline.heartbeats(), controller.progress, lambda: stop.at)
 
         async def after_step(version: int, chosen: list[int], metrics: dict[str, float]) -> bool:
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
+            if rebalancer is not None:  # add or remove a rollout replica (fleet.rebalance)
+                await rebalancer.after_step(version, metrics)
             if run.eval_due(version) and not stop.requested:
                 with watchdog.paused():
                     await _evaluate(run, pipeline, version)
+                if rebalancer is not None:  # evaluation is not the step's generation
+                    await rebalancer.start()
             keep_going = run.log_step(version, step_stats(controller, chosen, version, metrics), metrics)
             if run.samples_due(version):  # a few of the step's samples, as token ids, decoded here
                 run.log_samples(version, await pipeline.trained_samples(cfg.tracking.samples_per_step))

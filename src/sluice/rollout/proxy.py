@@ -18,6 +18,8 @@
   routing to it; ``remove_replica`` stops routing to one, aborts its in-flight requests and
   continues each elsewhere from its partial response (prompt + tokens so far, tokens keep their
   versions): nothing is lost, every move is counted (``rerouted``, ``rerouted_tokens``).
+  ``busy_s`` sums, over replicas, the wall seconds each had at least one request running: the
+  generation time a rebalancer weighs against training (``controller/rebalancing.py``).
 - **Replicas that die** (a verb raised ``ReplicaLost``): dropped at once, their requests continue
   elsewhere from the tokens they had before it (``replicas_lost``); with a ``replace`` factory a
   new replica joins with the newest weights (``replicas_added``), at most ``replacements`` times.
@@ -106,6 +108,7 @@ class LLMProxy:
         self.slots = slots or 0
         self._replace, self._replacements, self._replacing = replace, replacements, 0
         self._turn_s: deque[float] = deque(maxlen=1024)  # wall time of the latest requests
+        self._busy_s = 0.0  # replica-seconds with a request running, of finished busy spells
 
     @property
     def replica_ids(self) -> list[int]:
@@ -194,10 +197,17 @@ class LLMProxy:
             "accepting": float(sum(s.accepting for s in self._states.values())),
             "in_flight": float(len(self._flights)),
             "request_s_median": statistics.median(self._turn_s) if self._turn_s else 0.0,
+            "busy_s": self.busy_s(),
             **{name: float(value) for name, value in self._counts.items()},
             "version": float(held),
             "pending_version": float(self.version if held < self.version else -1),
         }
+
+    def busy_s(self, now: float | None = None) -> float:
+        """Replica-seconds so far during which a replica had at least one request running."""
+        now = time.perf_counter() if now is None else now
+        running = sum(now - s.busy_since for s in self._states.values() if s.busy_since is not None)
+        return self._busy_s + running
 
     async def engine_stats(self) -> dict[str, float]:
         """Every replica's ``stats()`` merged (``merge_engine_stats``)."""
@@ -306,6 +316,8 @@ class LLMProxy:
         if self._dispatch is not None:
             state.reserved -= 1
         state.outstanding += cost
+        if not state.flights:
+            state.busy_since = time.perf_counter()
         state.flights.add(rid)
         flight.replica_id = state.replica_id
         self._counts["routed"] += 1
@@ -319,6 +331,9 @@ class LLMProxy:
         finally:
             state.outstanding -= cost
             state.flights.discard(rid)
+            if not state.flights and state.busy_since is not None:
+                self._busy_s += time.perf_counter() - state.busy_since
+                state.busy_since = None
             flight.replica_id = None
             self._router.release(request.affinity, state.replica_id)
             self._notify()

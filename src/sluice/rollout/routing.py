@@ -32,6 +32,7 @@ class ReplicaState:
     outstanding: float = 0.0
     reserved: int = 0  # slots given to requests the longest-first queue released, not yet running
     flights: set[str] = field(default_factory=set)
+    busy_since: float | None = None  # since when it has had a request running (None: idle)
 
 
 @dataclass(eq=False)

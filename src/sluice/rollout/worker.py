@@ -49,11 +49,21 @@ from sluice.rollout.evaluate import EvalResult, evaluate_async
 from sluice.rollout.filters import FILTERS
 from sluice.rollout.groups import GroupRunner
 from sluice.rollout.length_ranker import OnlineLengthRanker
+from sluice.rollout.model_ranker import SequenceLengthRanker
 from sluice.rollout.proxy import LLMProxy
-from sluice.rollout.replicas import engine_fingerprint, start_engine_actors, watch_replicas
+from sluice.rollout.replicas import (
+    LocalReplica,
+    RayReplica,
+    engine_fingerprint,
+    start_engine_actors,
+    watch_replicas,
+)
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
+
+LENGTH_RANKERS = {"ridge": OnlineLengthRanker, "model": SequenceLengthRanker}
+"""``fleet.length_ranker``: the ``LengthPredictor`` behind longest-predicted-first dispatch."""
 
 ENGINE_REPLACEMENTS = 3
 """How many dead replica actors (``resources.rollout.replica_actors``) a run replaces; the next
@@ -155,29 +165,54 @@ class RolloutWorker:
                 placement=replica_options,
             )  # fmt: skip
 
+        def new_engines(count: int) -> list[Any]:
+            if self.resources.replica_actors:
+                return engine_actors(count)
+            return [
+                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
+                for _ in range(count)
+            ]
+
         async def replacement() -> Any:
-            self.engines += engine_actors(1)
+            self.engines += new_engines(1)
             return self.engines[-1]
 
-        actors, replicas = self.resources.replica_actors, self.resources.replicas
-        self.engines = (
-            engine_actors(replicas)
-            if actors
-            else [
-                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
-                for _ in range(replicas)
-            ]
-        )
+        actors = self.resources.replica_actors
+        self._new_engine = replacement
+        self.engines = new_engines(self.resources.replicas)
         return LLMProxy(
             self.engines,
             prompt_replication=rollout.prompt_replication,
             stagger=rollout.stagger,
-            length_predictor=OnlineLengthRanker() if fleet.lpt else None,
+            length_predictor=(LENGTH_RANKERS[fleet.length_ranker]() if fleet.lpt else None),
             slots=max_batch,
             long_tail=long_tail_split(fleet, max_batch),
             replace=replacement if actors else None,
             replacements=ENGINE_REPLACEMENTS,
         )
+
+    async def resize(self, change: int) -> int:
+        """Add (``change`` > 0) or remove (< 0) that many replicas while groups generate
+        (``fleet.rebalance``): a newcomer loads the newest weights before the proxy routes to it; a
+        leaving one's requests continue on the others from their partial responses, then its actor
+        is stopped. Returns the replicas now."""
+        for _ in range(change):
+            await self.proxy.add_replica(await self._new_engine())
+        for _ in range(-change):
+            replica = self.proxy.replicas[-1]
+            await self.proxy.remove_replica(self.proxy.replica_ids[-1])
+            self._stop_engine(replica)
+        return len(self.proxy.replica_ids)
+
+    def _stop_engine(self, replica: Any) -> None:
+        """Forget a removed replica's engine (an actor is killed; an in-process one is dropped)."""
+        if isinstance(replica, RayReplica):
+            import ray
+
+            self.engines.remove(replica.handle)
+            ray.kill(replica.handle)
+        elif isinstance(replica, LocalReplica):
+            self.engines.remove(replica.engine)
 
     async def run_groups(
         self, groups: Sequence[tuple[PromptItem, int]], partitions: Mapping[int, Partition] | None = None

@@ -180,6 +180,9 @@ class LocalPipeline(_Pipeline):
     async def engine_stats(self) -> dict[str, float]:
         return await self.rollout_worker.engine_stats()
 
+    async def resize_rollout(self, change: int) -> int:
+        return await self.rollout_worker.resize(change)
+
     async def trace_events(self) -> list[dict[str, Any]]:
         return self.rollout_worker.drain_trace() + self.trainer.drain_trace()
 

@@ -265,6 +265,11 @@ class RayPipeline(_Pipeline):
     async def engine_stats(self) -> dict[str, float]:
         return await self._on_rollout(self.rollout_actor.engine_stats.remote)
 
+    async def resize_rollout(self, change: int) -> int:
+        """Add or remove replicas behind the rollout worker's proxy (``fleet.rebalance``)."""
+        replicas: int = await self._on_rollout(lambda: self.rollout_actor.resize.remote(change))
+        return replicas
+
     async def trace_events(self) -> list[dict[str, Any]]:
         rollout = self._on_rollout(self.rollout_actor.drain_trace.remote)  # a replaced worker's spans are lost
         parts = await asyncio.gather(rollout, *(a.drain_trace.remote() for a in self.trainer_actors))

@@ -9,8 +9,8 @@ best batch per token, trainer FLOPs), and runs the full pipeline simulation (``s
 on them in that order until the next bound cannot beat the best simulated result (branch and
 bound: most candidates are never simulated). Candidates are ranked by the simulation.
 
-It does not move replicas while a run goes (``benchmarks/harness/rebalance.py`` does, on
-simulated replicas) or measure hardware (``sim.cost_model`` presets, ``benchmarks/harness/fit.py``).
+It does not move replicas while a run goes (``fleet.rebalance`` does,
+``schedule/rebalance.py``) or measure hardware (``sim.cost_model`` presets, ``benchmarks/harness/fit.py``).
 """
 
 from __future__ import annotations
