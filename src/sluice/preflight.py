@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from sluice.config import ConfigError, SluiceConfig
 from sluice.data import check_user_data
+from sluice.engines.model_folder import check_reward_model_dir
 from sluice.tasks import TASKS
 from sluice.tasks.spec import TaskSpec
 
@@ -22,6 +23,8 @@ def preflight(config: SluiceConfig, reward_given: bool) -> TaskSpec:
         raise ConfigError(f"task.name: unknown task {config.task.name!r} (built-in: {', '.join(TASKS)})")
     check_agentic(config, task.env)
     check_user_data(config, reward_given=reward_given)
+    if config.reward.model is not None:
+        check_reward_model_dir(config.reward.model)
     return task
 
 

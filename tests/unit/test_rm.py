@@ -16,7 +16,8 @@ from sluice.controller.rm import load_rm_data, reward_model_engine
 from sluice.data import DatasetError, in_memory
 from sluice.data.preferences import PreferenceRenderer
 from sluice.engines.hf_model import load_scalar_model, load_tokenizer
-from sluice.rewards.reward_model import RewardModelWorker, check_reward_model, rm_input_ids
+from sluice.engines.model_folder import check_reward_model_dir
+from sluice.rewards.reward_model import RewardModelWorker, rm_input_ids
 from sluice.trainer.rm import pair_chunks, pairwise_step
 from tiny import chat_tokenizer
 
@@ -77,7 +78,7 @@ def test_rm_trains_and_writes_a_reward_model(tiny_task_model, tmp_path):
     assert evals[-1]["val_accuracy"] >= 0.9
     assert evals[-1]["val_loss"] < 0.5 * evals[0]["val_loss"]
     final = tmp_path / "runs/rm/final_model"
-    check_reward_model(str(final))  # a ...ForSequenceClassification with one label
+    check_reward_model_dir(final)  # a ...ForSequenceClassification with one label
     tokenizer = load_tokenizer(final)
     texts = [("123>", "321"), ("123>", "-321"), ("98765>", "56789")]
     rows = [rm_input_ids(tokenizer, p, r, templated=False) for p, r in texts]

@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from sluice.engines.model_folder import ModelPathError, check_model_dir
+from sluice.engines.model_folder import ModelPathError, check_model_dir, check_reward_model_dir
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -53,17 +53,9 @@ def load_scalar_model(
     (``new_head=False``: anything else is refused naming ``field``), or a causal LM's trunk with a
     fresh ``score`` head (``new_head=True``: what ``sluice rm`` starts from). Its ``pad_token_id``
     is the tokenizer's, so padded rows are read at their last real token."""
-    p = check_model_dir(path, field)
+    p = check_model_dir(path, field) if new_head else check_reward_model_dir(path, field)
     hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(p, local_files_only=True)
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not new_head and (
-        not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1
-    ):
-        raise ModelPathError(
-            f"{field}: {p} is not a scalar reward model (architectures {architectures}, {config.num_labels} "
-            "labels; expected a ...ForSequenceClassification with one label: train one with sluice rm)"
-        )
     tokenizer = load_tokenizer(p) if config.pad_token_id is None else None
     if tokenizer is not None:
         config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

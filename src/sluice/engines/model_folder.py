@@ -56,3 +56,19 @@ def check_safetensors(file: Path, field: str = "model.path") -> None:
         raise ModelPathError(
             f"{field}: {file} is truncated or corrupt: its header lists {8 + n + end} bytes, the file holds {size}"
         )
+
+
+def check_reward_model_dir(path: str | Path, field: str = "reward.model") -> Path:
+    """``path`` as a scalar reward model folder (a ``...ForSequenceClassification`` with one
+    label, as ``sluice rm`` writes), from its files and ``config.json`` alone; ``ModelPathError``
+    naming ``field`` otherwise."""
+    p = check_model_dir(path, field)
+    config = json.loads((p / "config.json").read_text())
+    architectures = list(config.get("architectures") or [])
+    labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 2))
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures) or labels != 1:
+        raise ModelPathError(
+            f"{field}: {p} is not a scalar reward model (architectures {architectures}, {labels} labels; expected "
+            "a ...ForSequenceClassification with one label: train one with sluice rm)"
+        )
+    return p

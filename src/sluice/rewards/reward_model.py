@@ -89,36 +89,21 @@ class RewardModelWorker:
         return True
 
 
-def check_reward_model(path: str) -> None:
-    """Refuse a ``reward.model`` that is not a scalar reward model folder, in one line (no weights
-    are loaded: the folder's checks and its config)."""
-    from transformers import AutoConfig
-
-    from sluice.engines.model_folder import ModelPathError, check_model_dir
-
-    p = check_model_dir(path, "reward.model")
-    config = AutoConfig.from_pretrained(p, local_files_only=True)
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
-        raise ModelPathError(
-            f"reward.model: {p} is not a scalar reward model (architectures {architectures}, {config.num_labels} "
-            "labels; expected a ...ForSequenceClassification with one label: train one with sluice rm)"
-        )
-
-
 class RewardModelPool:
     """The reward model as the rollout worker sees it: ``await pool.score(texts)``."""
 
     def __init__(self, spec: RewardModelSpec) -> None:
         from sluice.engines.hf_model import load_tokenizer
+        from sluice.engines.model_folder import check_reward_model_dir
 
-        check_reward_model(spec.path)
+        check_reward_model_dir(spec.path)
         self.spec = spec
         self.tokenizer = load_tokenizer(spec.path)
         self.templated = chat_templated(self.tokenizer, spec.chat_template)
         self.workers: list[Any] = [self._start() for _ in range(spec.workers)]
         self._pending: list[tuple[list[list[int]], asyncio.Future[list[float]]]] = []
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._loops: list[asyncio.Task[None]] = []
         self.counts: Counter[str] = Counter()
         self.seconds = 0.0
@@ -136,8 +121,9 @@ class RewardModelPool:
 
     async def score(self, texts: Sequence[tuple[str, str]]) -> list[float]:
         """The scores of one group's (prompt, response) texts; ``RewardFailure`` when its batch failed."""
-        if self._wake is None:  # on the running loop: one serving task per worker
-            self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # one serving task per worker, on the loop that awaits the scores
+            self._loop, self._wake = loop, asyncio.Event()
             self._loops = [asyncio.ensure_future(self._serve(k)) for k in range(len(self.workers))]
         done: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
         self._pending.append((self.ids(texts), done))
