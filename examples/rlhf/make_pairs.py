@@ -8,9 +8,10 @@ answer is the digits exactly reversed, with nothing before them. The pairs never
 row is TRL's plain-text preference schema ``{"prompt", "chosen", "rejected"}`` with the correct
 answer chosen and a near miss rejected: the ``-`` prefix the base model's demonstrations taught it
 (``tasks/reverse_digits.py``), one digit changed, two neighbouring digits swapped, the digits not
-reversed, or the answer cut short. Prompts are drawn with their own seed and never from the
-task's held-out set, on which ``sluice train`` measures the rule (exact match) that the policy's
-reward (the reward model alone) never sees. It trains nothing and downloads nothing.
+reversed, the answer cut short, or digits after it (the last one repeated, or any: without these
+the policy found that the reward model paid for them; README.md). Prompts are drawn with their own
+seed and never from the task's held-out set, on which ``sluice train`` measures the rule (exact
+match) that the policy's reward (the reward model alone) never sees. It trains nothing and downloads nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ TASK = TASKS["reverse_digits"]
 def near_miss(answer: str, rng: random.Random) -> str:
     """A wrong answer close to ``answer`` (never equal to it)."""
     while True:
-        kind = rng.choices(["prefix", "digit", "swap", "unreversed", "short"], [4, 2, 2, 1, 1])[0]
+        kind = rng.choices(["prefix", "digit", "swap", "unreversed", "short", "long"], [4, 2, 2, 1, 1, 2])[0]
         out = answer
         if kind == "prefix":
             out = "-" + answer
@@ -43,8 +44,11 @@ def near_miss(answer: str, rng: random.Random) -> str:
             out = answer[:k] + answer[k + 1] + answer[k] + answer[k + 2 :]
         elif kind == "unreversed":
             out = answer[::-1]
-        elif len(answer) > 1:
+        elif kind == "short" and len(answer) > 1:
             out = answer[: rng.randrange(1, len(answer))]
+        elif kind == "long":  # digits after the answer: the last one repeated, or any
+            extra = rng.randint(1, 4)
+            out = answer + (answer[-1] * extra if rng.random() < 0.5 else "".join(rng.choices("0123456789", k=extra)))
         if out != answer:
             return out
 
