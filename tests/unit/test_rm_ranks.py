@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from test_rm import pair_rows, write_jsonl
 
 from sluice.config import load_config
 from sluice.controller.rm import run_rm
 from sluice.engines.hf_model import load_scalar_model
-from test_rm import pair_rows, write_jsonl
 from tiny import save_tiny_task_model
 
 pytestmark = pytest.mark.scale
