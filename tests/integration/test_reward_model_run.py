@@ -59,24 +59,36 @@ def test_run_scores_groups_with_the_reward_model(tiny_task_model, reward_model, 
         assert row["reward"] == pytest.approx(rule + 0.5 * row["rm_score"], abs=1e-6)
 
 
-def test_two_worker_actors_score_as_one_and_a_killed_one_is_replaced(tiny_task_model, reward_model, ray_cluster):
-    texts = [[(f"{k}{k + 1}{k + 2}>", f"{r}") for r in ("1", "22", "333", "-4444")] for k in range(6)]
+TEXTS = [[(f"{k}{k + 1}{k + 2}>", f"{r}") for r in ("1", "22", "333", "-4444")] for k in range(6)]
 
-    async def score(pool):
-        return await asyncio.gather(*(pool.score(group) for group in texts))
 
-    one = RewardModelPool(RewardModelSpec(str(reward_model), token_budget=64))
-    expected = asyncio.run(score(one))
+async def _score(pool):
+    return await asyncio.gather(*(pool.score(group) for group in TEXTS))
+
+
+def test_two_worker_actors_score_as_one(reward_model, ray_cluster):
+    expected = asyncio.run(_score(RewardModelPool(RewardModelSpec(str(reward_model), token_budget=64))))
     two = RewardModelPool(RewardModelSpec(str(reward_model), token_budget=64, workers=2, actors=True))
     try:
-        got = asyncio.run(score(two))
-        assert [pytest.approx(g, abs=1e-5) for g in expected] == got
+        assert asyncio.run(_score(two)) == [pytest.approx(g, abs=1e-5) for g in expected]
         assert two.counts["rm_batches"] >= 2  # both workers took batches
-        ray_cluster.kill(two.workers[0])
-        assert asyncio.run(score(two)) == [pytest.approx(g, abs=1e-5) for g in expected]
-        assert two.counts["rm_worker_restarts"] == 1 and two.counts["rm_retries"] == 1
     finally:
         two.close()
+
+
+@pytest.mark.faults
+def test_a_killed_worker_actor_is_replaced(reward_model, ray_cluster):
+    """SIGKILL-like ``ray.kill`` of the only worker: the next batch starts a fresh actor and runs
+    again on it (counted); the scores are the same."""
+    pool = RewardModelPool(RewardModelSpec(str(reward_model), token_budget=64, actors=True))
+    try:
+        expected = asyncio.run(_score(pool))
+        ray_cluster.kill(pool.workers[0])
+        assert asyncio.run(_score(pool)) == [pytest.approx(g, abs=1e-6) for g in expected]
+        assert pool.counts["rm_worker_restarts"] == 1 and pool.counts["rm_retries"] == 1
+        assert "reward_error:reward_model" not in pool.counts
+    finally:
+        pool.close()
 
 
 def test_a_bad_reward_model_is_refused_at_start(tiny_task_model, tmp_path, capsys):
