@@ -218,10 +218,36 @@ class RewardConfig(_Section):
     """A reward-model worker actor's call past this is a failure of its batch (the actor is replaced
     and the batch run once more)."""
 
+    judge: str | None = None
+    """An LLM judge: an HF causal LM folder whose greedy answer to ``judge_template`` is parsed into
+    each response's score (``judge_parser``); it scores groups like ``model`` (the same
+    ``combine`` and ``model_weight``), in the built-in engine in the rollout worker's process, its
+    weights never changing. An answer the parser cannot read fails the group
+    (``reward_invalid:judge``, counted as ``judge_garbage``), never a silent 0. Exclusive with
+    ``model``. ``null``: none."""
+
+    judge_template: str = "{prompt}{response}"
+    """The judge's prompt: ``{prompt}`` (as the policy saw it) and ``{response}`` are filled in."""
+
+    judge_parser: Literal["number", "verdict", "choice"] = "number"
+    """How the judge's answer becomes a score: ``number`` (its first number), ``verdict`` (yes / no,
+    true / false, pass / fail, correct / incorrect → 1 / 0), ``choice`` (its first word in
+    ``judge_choices``)."""
+
+    judge_choices: dict[str, float] = Field(default_factory=dict)
+    """``judge_parser: choice``: each answer word's score (e.g. ``{A: 1.0, B: 0.0}``)."""
+
+    judge_max_new_tokens: int = Field(default=16, ge=1)
+    """The longest judge answer in tokens."""
+
     @model_validator(mode="after")
     def _combine_needs_a_model(self) -> RewardConfig:
-        if self.combine == "model" and self.model is None:
-            raise ValueError("reward.combine: 'model' trains on a reward model's score; set reward.model")
+        if self.combine == "model" and self.model is None and self.judge is None:
+            raise ValueError("reward.combine: 'model' trains on a reward model's score; set reward.model or judge")
+        if self.model is not None and self.judge is not None:
+            raise ValueError("reward.model and reward.judge exclude each other: set one")
+        if self.judge_parser == "choice" and self.judge is not None and not self.judge_choices:
+            raise ValueError("reward.judge_parser: 'choice' needs reward.judge_choices ({word: score})")
         return self
 
     @field_validator("fn")

@@ -24,6 +24,7 @@ from sluice.rewards.combine import ModelReward
 from sluice.rewards.composed import FormattedReward, OverlongPenalty, SourceRouter, overlong_penalty
 from sluice.rewards.exact_match import exact_match_reward
 from sluice.rewards.imported import ImportedReward, load_reward
+from sluice.rewards.judge import JudgeScorer, JudgeSpec
 from sluice.rewards.math_answer import math_verify_reward
 from sluice.rewards.reward_model import RewardModelPool, RewardModelSpec
 from sluice.rewards.sandbox import SandboxLimits, SandboxUnavailable, require_sandbox
@@ -159,10 +160,12 @@ async def no_rule_reward(response: str, **fields: Any) -> float:
     return 0.0
 
 
-def build_model_reward(cfg: RewardConfig, spec: RewardModelSpec | None) -> ModelReward | None:
-    """The run's reward model and how its score combines (``reward.model``), its workers started;
-    ``None`` without one."""
-    if spec is None:
+def build_model_reward(
+    cfg: RewardConfig, spec: RewardModelSpec | None, judge: JudgeSpec | None = None
+) -> ModelReward | None:
+    """The run's reward model (``reward.model``, its workers started) or LLM judge
+    (``reward.judge``) and how its score combines; ``None`` without either."""
+    if spec is None and judge is None:
         return None
-    pool = RewardModelPool(spec)
-    return ModelReward(pool, cfg.combine, cfg.model_weight, cfg.rule_weight, cfg.model_normalize)
+    scorer = RewardModelPool(spec) if spec is not None else JudgeScorer(judge) if judge is not None else None
+    return ModelReward(scorer, cfg.combine, cfg.model_weight, cfg.rule_weight, cfg.model_normalize)

@@ -5,8 +5,9 @@ optionally normalises them by the run's running mean and standard deviation (Wel
 seen so far, the group's own included; counted), and returns the group's samples with
 ``reward = rule_weight · rule + model_weight · rm`` (``combine: sum``) or ``model_weight · rm``
 (``combine: model``), the raw score in ``meta["rm_score"]`` and the rule reward in
-``meta["rule_reward"]``. A failed scoring call marks every sample with the reward failure, so the
-rollout discards the group with that reason like any failed reward. Deliberately not here: the
+``meta["rule_reward"]``. A failed scoring call, or a judge's answer its parser cannot read (NaN,
+``rewards/judge.py``), marks every sample with the reward failure, so the rollout discards the
+group with that reason like any failed reward. Deliberately not here: the
 model's workers (``rewards/reward_model.py``), when a group is scored (``rollout/groups.py``).
 """
 
@@ -69,6 +70,12 @@ class ModelReward:
                 dataclasses.replace(s, meta={**s.meta, "reward_failure": failure.reason, "reward_failure_cause": cause})
                 for s in samples
             ]
+        unread = [k for k, x in enumerate(raw) if math.isnan(x)]  # a judge's garbage answer: never a silent 0
+        if unread:
+            name = getattr(self.pool, "name", "reward_model")
+            cause = (f"reward {name!r}", f"sample {unread[0]}: an answer the judge's parser cannot read")
+            failed = {"reward_failure": f"reward_invalid:{name}", "reward_failure_cause": cause}
+            return [dataclasses.replace(s, meta={**s.meta, **failed}) for s in samples]
         scores = list(raw)
         if self.moments is not None:
             self.moments.add(scores)

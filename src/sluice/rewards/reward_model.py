@@ -98,6 +98,7 @@ class RewardModelPool:
 
         check_reward_model_dir(spec.path)
         self.spec = spec
+        self.name = NAME
         self.tokenizer = load_tokenizer(spec.path)
         self.templated = chat_templated(self.tokenizer, spec.chat_template)
         self.workers: list[Any] = [self._start() for _ in range(spec.workers)]

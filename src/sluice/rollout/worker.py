@@ -41,6 +41,7 @@ from sluice.config.resources import RolloutResources
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
 from sluice.rewards import build_model_reward, build_reward_service, no_rule_reward, overlong_shaping
+from sluice.rewards.judge import JudgeSpec
 from sluice.rewards.reward_model import RewardModelSpec
 from sluice.rollout.agent_runner import AgentEpisodeRunner
 from sluice.rollout.agent_session import ExpectedCalls
@@ -85,12 +86,13 @@ class RolloutWorker:
         replica_timeout_s: float | None = None,
         name: str = "rollout",
         reward_model: RewardModelSpec | None = None,
+        judge: JudgeSpec | None = None,
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.reward = build_reward_service(reward_config, reward)  # first: a reward that cannot run stops here
-        if reward_model is not None and agentic is not None:
-            raise ConfigError("reward.model: single-turn rollouts only (an environment scores its episodes)")
-        self.model_reward = build_model_reward(reward_config, reward_model)
+        if (reward_model is not None or judge is not None) and agentic is not None:
+            raise ConfigError("reward.model / judge: single-turn rollouts only (an environment scores its episodes)")
+        self.model_reward = build_model_reward(reward_config, reward_model, judge)
         penalty = overlong_shaping(reward_config, params.max_new_tokens)
         if penalty is not None and agentic is not None:
             raise ConfigError("reward.overlong_buffer: single-turn rollouts only (an environment scores its episodes)")

@@ -30,6 +30,7 @@ from sluice.dag.spec import load_dag
 from sluice.data import PromptStream
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.snapshot import groups_snapshot
+from sluice.rewards.judge import JudgeSpec
 from sluice.rewards.reward_model import RewardModelSpec
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
@@ -290,7 +291,16 @@ def rollout_kwargs(spec: PipelineSpec, queue: Any, replica_options: dict[str, An
         "trace_max_events": cfg.run.trace_max_events,
         "replica_timeout_s": cfg.run.stall_timeout_s / 2,  # before the loop's own watchdog
         "reward_model": reward_model_spec(cfg),
+        "judge": judge_spec(cfg),
     }
+
+
+def judge_spec(cfg: SluiceConfig) -> JudgeSpec | None:
+    """The LLM judge (``reward.judge``), or ``None``."""
+    r = cfg.reward
+    if r.judge is None:
+        return None
+    return JudgeSpec(r.judge, r.judge_template, r.judge_parser, tuple(r.judge_choices.items()), r.judge_max_new_tokens)
 
 
 def reward_model_spec(cfg: SluiceConfig) -> RewardModelSpec | None:
