@@ -102,3 +102,19 @@ def test_a_bad_reward_model_is_refused_at_start(tiny_task_model, tmp_path, capsy
     assert "reward.model:" in err and "is not a scalar reward model" in err and len(err.splitlines()) == 1
     assert main(["train", *base, "reward.combine=model"]) == 2
     assert "set reward.model" in capsys.readouterr().err
+
+
+def test_run_with_an_llm_judge(tiny_task_model, tmp_path):
+    """``reward.judge`` in the reward model's place: every trained group judged, the judge's calls
+    and unreadable answers counted in the ``rewards`` record."""
+    overrides = [
+        *tiny_run_overrides(tiny_task_model, tmp_path, "judge"), "run.steps=2", "rollout.max_new_tokens=8",
+        "reward.pool_size=0", "task.eval_prompts=4", f"reward.judge={tiny_task_model}",
+        "reward.judge_template={prompt}{response}", "reward.judge_max_new_tokens=3", "run.mode=sync",
+        "run.backend=local", "run.failure_budget=1.0",
+    ]  # fmt: skip
+    run_dir = RLTrainer(load_config(None, overrides)).fit().run_dir
+    records = _jsonl(run_dir / "metrics.jsonl")
+    assert all("rm_score_mean" in r for r in records if r["kind"] == "train")
+    rewards = [r for r in records if r["kind"] == "rewards"][-1]
+    assert rewards["judge_calls"] >= 2 * 4 * 4 and "judge_garbage" in rewards

@@ -220,7 +220,7 @@ async def _log_run_end(
         engine_checksum=e_sum,
         **{f"engine_{k}": engine[k] for k in ENGINE_SYNC_STATS if k in engine},
     )
-    run.metrics.log("rewards", **{k: v for k, v in engine.items() if k.startswith(("reward_", "rm_"))})
+    run.metrics.log("rewards", **{k: v for k, v in engine.items() if k.startswith(("reward_", "rm_", "judge_"))})
     run.metrics.log("proxy", **{k.removeprefix("proxy_"): v for k, v in engine.items() if k.startswith("proxy_")})
     if spec.agentic is not None:  # episode counters: kept, aborted stragglers, env failures
         run.metrics.log("episodes", **{k: v for k, v in engine.items() if k.startswith("env_")})
