@@ -110,3 +110,18 @@ def save_chat_model(path: Path) -> Path:
     build_tiny_llama(spec, tok, seed=0).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def save_tiny_reward_model(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """``model_dir``'s trunk with a seeded random scalar head (what ``sluice rm`` starts from),
+    saved as a reward model folder ``reward.model`` takes."""
+    from transformers import AutoTokenizer
+
+    from sluice.engines.hf_model import load_scalar_model
+
+    torch.manual_seed(seed)
+    model = load_scalar_model(model_dir, field="model.path", new_head=True)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores spread well apart
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out

@@ -1,4 +1,4 @@
-"""The ``sluice`` command line: ``train``, ``sft``, ``eval``, ``init``, ``bench``, ``trace``, ``plot``,
+"""The ``sluice`` command line: ``train``, ``sft``, ``rm``, ``eval``, ``init``, ``bench``, ``trace``, ``plot``,
 ``plan``, ``simulate``, ``plan-dag``, ``config-docs``.
 
 It parses arguments, renders progress and results, and turns the known user errors (config,
@@ -77,6 +77,8 @@ EXAMPLES = {
     "sft": ("sluice sft my_sft.yaml data.train_files=chats.jsonl sft.epochs=2",
             "then: sluice train my_run.yaml model.path=runs/<run.name>/final_model; resume=auto continues the last "
             "checkpoint; docs/sft.md"),
+    "rm": ("sluice rm my_rm.yaml data.train_files=pairs.jsonl rm.epochs=2",
+           "then: sluice train my_run.yaml reward.model=runs/<run.name>/final_model; docs/rewards.md"),
     "eval": ("sluice eval runs/my_run/final_model --data val.parquet eval.samples=4 reward.fn=my_rewards.py:fn", ""),
     "init": ("sluice init --model my_model --data train.parquet --val val.parquet --reward my_rewards.py:score",
              "then: sluice train my_run.yaml run.steps=2"),
@@ -112,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]")
     sft.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     sft.set_defaults(func=_sft)
+    rm = sub.add_parser("rm", help="train a scalar reward model on preference pairs (reward.model takes it)")
+    rm.add_argument("args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]")
+    rm.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    rm.set_defaults(func=_rm)
     ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.samples=4 reward.name=...")
@@ -255,6 +261,29 @@ def _sft(args: argparse.Namespace) -> int:
         f"{k} {v:.4f}" for k, v in (("val_loss", result.val_loss), ("accuracy", result.accuracy)) if v is not None
     ]
     print("  ".join(scores) if scores else "no evaluation (run.eval_every=0, or no data.val_files)", flush=True)
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    console = Console()
+    cfg = _run_config(args, console)
+    if cfg is None:
+        return 0
+    from sluice.preflight import check_rm
+
+    check_rm(cfg)  # before torch: a wrong key or model path costs a blink
+    from sluice.engines.model_folder import check_model_dir
+
+    check_model_dir(cfg.model.path or "")
+    from sluice.controller.rm import run_rm
+    from sluice.telemetry import TrainProgress
+
+    with TrainProgress(0, "rm", cfg.run.progress, console) as bar:  # its total: once the pairs are read
+        result = run_rm(cfg, progress=bar)
+    dropped = f"; {result.filtered} pairs over rm.max_length dropped" if result.filtered else ""
+    console.print(f"steps {result.steps} in {result.minutes:.1f} min; reward model {result.final_model_dir}{dropped}")
+    accuracy = result.val_accuracy
+    print(f"val pairwise accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation (no data.val_files)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The checks of a run's config that need neither torch nor the model: a built-in task's name,
 the agentic section against the task, the user's data files against the response cap and
-the reward, and what ``sluice sft`` needs (``check_sft``).
+the reward, and what ``sluice sft`` and ``sluice rm`` need (``check_sft``, ``check_rm``).
 
 ``sluice train`` / ``sluice eval`` run them before importing torch and transformers (seconds), so
 a wrong key costs a user a blink; ``RLTrainer`` runs them too, for runs started from Python. The
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from sluice.config import ConfigError, SluiceConfig
 from sluice.data import check_user_data
+from sluice.engines.model_folder import check_reward_model_dir
 from sluice.tasks import TASKS
 from sluice.tasks.spec import TaskSpec
 
@@ -22,6 +23,8 @@ def preflight(config: SluiceConfig, reward_given: bool) -> TaskSpec:
         raise ConfigError(f"task.name: unknown task {config.task.name!r} (built-in: {', '.join(TASKS)})")
     check_agentic(config, task.env)
     check_user_data(config, reward_given=reward_given)
+    if config.reward.model is not None:
+        check_reward_model_dir(config.reward.model)
     return task
 
 
@@ -55,6 +58,20 @@ def check_sft(cfg: SluiceConfig) -> None:
         )
     if has_reward(cfg) and cfg.data.val_files and cfg.rollout.max_new_tokens is None:
         raise ConfigError("rollout.max_new_tokens: the accuracy evaluation of sluice sft needs a response limit")
+
+
+def check_rm(cfg: SluiceConfig) -> None:
+    """What ``sluice rm`` needs before torch is imported; ``ConfigError`` naming the field."""
+    if not cfg.model.path:
+        raise ConfigError("model.path: sluice rm trains a model folder (a causal LM or a reward model); set model.path")
+    if not cfg.data.train_files:
+        raise ConfigError(
+            "data.train_files: sluice rm needs preference pairs (JSONL, JSON, parquet or a datasets folder)"
+        )
+    if cfg.trainer.strategy == "fsdp2":
+        raise ConfigError("trainer.strategy: sluice rm runs single or ddp (fsdp2: not yet)")
+    if cfg.trainer.lora_rank:
+        raise ConfigError("trainer.lora_rank: sluice rm trains the whole model (its new score head must train)")
 
 
 def has_reward(cfg: SluiceConfig) -> bool:

@@ -178,6 +178,8 @@ class GroupReport:
     """Samples cut at the response cap (``finish_reason == "length"``)."""
     data_source: str = ""
     """The prompt's ``data_source`` (empty: not reported)."""
+    rm_scores: tuple[float, ...] = ()
+    """Each sample's reward-model score before combining (``reward.model``; empty: none)."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from sluice.config.data import DataConfig, EvalConfig, ModelConfig, TaskConfig
 from sluice.config.fleet import FleetConfig, check_fleet
 from sluice.config.modes import check_controller, sync_is_eta_zero
 from sluice.config.resources import ResourcesConfig, check_resources
+from sluice.config.rm import RmConfig
 from sluice.config.section import Section as _Section
 from sluice.config.services import RewardConfig, SGLangConfig, VLLMConfig
 from sluice.config.sft import SftConfig
@@ -300,6 +301,9 @@ class SluiceConfig(_Section):
 
     sft: SftConfig = SftConfig()
     """Supervised fine-tuning (``sluice sft``): conversation / response keys, loss tokens, epochs."""
+
+    rm: RmConfig = RmConfig()
+    """Reward-model training (``sluice rm``): chosen / rejected keys, epochs, pair lengths."""
 
     reward: RewardConfig = RewardConfig()
     """Reward function and the reward service that runs it."""

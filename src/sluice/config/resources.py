@@ -85,12 +85,31 @@ class TrainerResources(_Section):
     ``rollout.node_resource``). ``null``: any node."""
 
 
+class RewardModelResources(_Section):
+    workers: int = Field(default=1, ge=1)
+    """Reward-model workers (``reward.model``), each a copy of the model scoring its own batches:
+    objects in the rollout worker's process (``run.backend: local``) or a Ray actor each (``ray``)."""
+
+    threads: int = Field(default=1, ge=1)
+    """torch threads of each reward-model worker actor (``run.backend: ray``; a local run's workers
+    share the rollout worker's)."""
+
+    gpus: float | None = Field(default=None, ge=0.0)
+    """GPUs per reward-model worker actor (Ray ``num_gpus``). ``null``: none (CPU)."""
+
+    cpus: float | None = Field(default=None, gt=0.0)
+    """Ray CPUs each reward-model worker actor reserves. ``null``: ``threads``."""
+
+
 class ResourcesConfig(_Section):
     rollout: RolloutResources = RolloutResources()
     """The rollout worker and its engine replicas."""
 
     trainer: TrainerResources = TrainerResources()
     """The trainer ranks."""
+
+    reward_model: RewardModelResources = RewardModelResources()
+    """The reward model's workers (``reward.model``)."""
 
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """How Ray places the rollout and trainer bundles (``run.backend: ray``): ``colocated`` (one

@@ -188,6 +188,68 @@ class RewardConfig(_Section):
     only when every test passes, else 0.0. A test is each top-level statement of the row's
     ``tests`` holding an ``assert``, and each ``test_*`` function."""
 
+    model: str | None = None
+    """A scalar reward model: an HF folder of a ``...ForSequenceClassification`` with one label
+    (``sluice rm`` writes one). Its workers (``resources.reward_model``) score every finished
+    group, in batches, before the group's filters run; ``combine`` says how its score meets the
+    rule reward. A path that is not such a folder is refused at start. ``null``: none."""
+
+    combine: Literal["sum", "model"] = "sum"
+    """With ``model``: ``sum`` trains on ``rule_weight · rule + model_weight · rm`` (the rule reward:
+    ``name`` / ``fn`` / ``by_source`` / the task's); ``model`` trains on the reward model's score
+    alone (the rule reward is not called in training; it still scores evaluation)."""
+
+    model_weight: float = 1.0
+    """The reward model's weight in ``combine: sum`` (and its scale in ``combine: model``)."""
+
+    rule_weight: float = 1.0
+    """The rule reward's weight in ``combine: sum``."""
+
+    model_normalize: bool = False
+    """Normalise the reward model's scores by their running mean and standard deviation (every
+    score seen so far in the run, its group's included) before combining; counted as
+    ``rm_normalised`` with the running ``rm_running_mean`` / ``rm_running_std``."""
+
+    model_token_budget: int = Field(default=4096, ge=1)
+    """Padded positions per reward-model forward; groups that finish together share a batch up to
+    this many tokens."""
+
+    model_timeout_s: float = Field(default=300.0, gt=0.0)
+    """A reward-model worker actor's call past this is a failure of its batch (the actor is replaced
+    and the batch run once more)."""
+
+    judge: str | None = None
+    """An LLM judge: an HF causal LM folder whose greedy answer to ``judge_template`` is parsed into
+    each response's score (``judge_parser``); it scores groups like ``model`` (the same
+    ``combine`` and ``model_weight``), in the built-in engine in the rollout worker's process, its
+    weights never changing. An answer the parser cannot read fails the group
+    (``reward_invalid:judge``, counted as ``judge_garbage``), never a silent 0. Exclusive with
+    ``model``. ``null``: none."""
+
+    judge_template: str = "{prompt}{response}"
+    """The judge's prompt: ``{prompt}`` (as the policy saw it) and ``{response}`` are filled in."""
+
+    judge_parser: Literal["number", "verdict", "choice"] = "number"
+    """How the judge's answer becomes a score: ``number`` (its first number), ``verdict`` (yes / no,
+    true / false, pass / fail, correct / incorrect → 1 / 0), ``choice`` (its first word in
+    ``judge_choices``)."""
+
+    judge_choices: dict[str, float] = Field(default_factory=dict)
+    """``judge_parser: choice``: each answer word's score (e.g. ``{A: 1.0, B: 0.0}``)."""
+
+    judge_max_new_tokens: int = Field(default=16, ge=1)
+    """The longest judge answer in tokens."""
+
+    @model_validator(mode="after")
+    def _combine_needs_a_model(self) -> RewardConfig:
+        if self.combine == "model" and self.model is None and self.judge is None:
+            raise ValueError("reward.combine: 'model' trains on a reward model's score; set reward.model or judge")
+        if self.model is not None and self.judge is not None:
+            raise ValueError("reward.model and reward.judge exclude each other: set one")
+        if self.judge_parser == "choice" and self.judge is not None and not self.judge_choices:
+            raise ValueError("reward.judge_parser: 'choice' needs reward.judge_choices ({word: score})")
+        return self
+
     @field_validator("fn")
     @classmethod
     def _fn_is_a_path(cls, value: str | None) -> str | None:

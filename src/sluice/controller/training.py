@@ -246,7 +246,7 @@ async def _log_run_end(
         engine_checksum=e_sum,
         **{f"engine_{k}": engine[k] for k in ENGINE_SYNC_STATS if k in engine},
     )
-    run.metrics.log("rewards", **{k: v for k, v in engine.items() if k.startswith("reward_")})
+    run.metrics.log("rewards", **{k: v for k, v in engine.items() if k.startswith(("reward_", "rm_", "judge_"))})
     run.metrics.log("proxy", **{k.removeprefix("proxy_"): v for k, v in engine.items() if k.startswith("proxy_")})
     if spec.agentic is not None:  # episode counters: kept, aborted stragglers, env failures
         run.metrics.log("episodes", **{k: v for k, v in engine.items() if k.startswith("env_")})
@@ -277,7 +277,9 @@ def step_stats(controller: Controller, chosen: list[int], version: int, metrics:
     per_source = (
         {f"reward_mean/{s}": sum(v) / len(v) for s, v in by_source.items() if s and v} if len(by_source) > 1 else {}
     )
+    rm = [x for rep in reports for x in rep.rm_scores]
     return {
+        **({"rm_score_mean": sum(rm) / len(rm)} if rm else {}),
         "reward_mean": mean,
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / samples) ** 0.5,
         "reward_min": min(rewards, default=0.0),

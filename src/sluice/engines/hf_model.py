@@ -13,10 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 from transformers.utils import logging as hf_logging
 
-from sluice.engines.model_folder import ModelPathError, check_model_dir
+from sluice.engines.model_folder import ModelPathError, check_model_dir, check_reward_model_dir
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -37,6 +43,31 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreT
         model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelPathError(f"model.path: cannot load a causal LM from {p}: {err}") from None
+    return model
+
+
+def load_scalar_model(
+    path: str | Path, *, field: str = "reward.model", new_head: bool = False, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """A sequence-classification model with one label (a scalar reward model): the folder's own
+    (``new_head=False``: anything else is refused naming ``field``), or a causal LM's trunk with a
+    fresh ``score`` head (``new_head=True``: what ``sluice rm`` starts from). Its ``pad_token_id``
+    is the tokenizer's, so padded rows are read at their last real token."""
+    p = check_model_dir(path, field) if new_head else check_reward_model_dir(path, field)
+    hf_logging.disable_progress_bar()
+    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    tokenizer = load_tokenizer(p) if config.pad_token_id is None else None
+    if tokenizer is not None:
+        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config.num_labels = 1
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "some weights newly initialized": the score head, on purpose
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(p, config=config, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelPathError(f"{field}: cannot load a sequence-classification model from {p}: {err}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return model
 
 

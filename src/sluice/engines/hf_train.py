@@ -31,7 +31,7 @@ import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -210,6 +210,21 @@ class HFTrainEngine:
                 self._totals["entropy_sum"] += float(inputs.entropy[inputs.mask.bool()].sum())
         self._totals["micro_batches"] += 1.0
         self._totals["samples"] += float(len(mb.samples))
+
+    def accumulate_loss(self, loss_of: Callable[[torch.nn.Module], tuple[torch.Tensor, dict[str, float]]]) -> None:
+        """Forward + backward a caller's own loss of the model (a head other than the LM's, e.g.
+        ``sluice rm``'s pairwise loss of a scalar reward model): ``loss_of(model)`` returns the loss
+        and stats that add to the step's totals. Not under ``fsdp2`` (its forwards are collectives
+        the caller would have to run in lockstep)."""
+        if self.lockstep:
+            raise ValueError("accumulate_loss: not under fsdp2 (use single or ddp)")
+        with self._autocast():
+            loss, stats = loss_of(self.model)
+        loss.backward()
+        self._totals["loss"] += float(loss.detach())
+        for key, value in stats.items():
+            self._totals[key] += value
+        self._totals["micro_batches"] += 1.0
 
     def _synchronise(self) -> None:
         """Sum the update's gradients over the ranks: ``fsdp2`` runs the held micro-batches with

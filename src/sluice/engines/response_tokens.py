@@ -17,10 +17,15 @@ from sluice.api.types import LossInputs, Sample
 def length_buckets(samples: Sequence[Sample], padded_token_budget: int) -> list[list[int]]:
     """Sample indices in length-sorted parts of at most ``padded_token_budget`` padded positions
     (a row longer than the budget goes alone)."""
-    order = sorted(range(len(samples)), key=lambda i: (samples[i].num_tokens, i))
+    return buckets_of([s.num_tokens for s in samples], padded_token_budget)
+
+
+def buckets_of(lengths: Sequence[int], padded_token_budget: int) -> list[list[int]]:
+    """``length_buckets`` of rows of these ``lengths``."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     parts: list[list[int]] = []
     for i in order:
-        longest = samples[i].num_tokens  # ascending, so the newest row is the longest
+        longest = lengths[i]  # ascending, so the newest row is the longest
         if parts and (len(parts[-1]) + 1) * longest <= padded_token_budget:
             parts[-1].append(i)
         else:

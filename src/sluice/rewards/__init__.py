@@ -7,7 +7,9 @@ Built-ins are entries of ``REWARDS`` (a plain dict of name → factory taking th
 ``imported.py``), a router by data source (``reward.by_source``), under an optional format gate
 (``composed.py``); ``build_reward_service`` wraps it in a ``RewardService`` (process pool,
 per-call timeout, failure counters). The overlong penalty needs token counts, so the rollout
-applies it (``overlong_shaping``).
+applies it (``overlong_shaping``). A scalar reward model (``reward.model``) scores whole groups:
+``build_model_reward`` starts its workers (``reward_model.py``) and combines its score
+(``combine.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 from sluice.api import RewardFailure
 from sluice.config import ConfigError
 from sluice.rewards.code_exec import CodeExecReward
+from sluice.rewards.combine import ModelReward
 from sluice.rewards.composed import FormattedReward, OverlongPenalty, SourceRouter, overlong_penalty
 from sluice.rewards.exact_match import exact_match_reward
 from sluice.rewards.imported import ImportedReward, load_reward
+from sluice.rewards.judge import JudgeScorer, JudgeSpec
 from sluice.rewards.math_answer import math_verify_reward
+from sluice.rewards.reward_model import RewardModelPool, RewardModelSpec
 from sluice.rewards.sandbox import SandboxLimits, SandboxUnavailable, require_sandbox
 from sluice.rewards.service import RewardService, reward_name
 
@@ -147,3 +152,20 @@ __all__ = [
     "resolve_reward",
     "sandbox_limits",
 ]
+
+
+async def no_rule_reward(response: str, **fields: Any) -> float:
+    """The training reward of ``reward.combine: model``: the reward model's score alone, so the
+    rule reward is not called (it scores evaluation only)."""
+    return 0.0
+
+
+def build_model_reward(
+    cfg: RewardConfig, spec: RewardModelSpec | None, judge: JudgeSpec | None = None
+) -> ModelReward | None:
+    """The run's reward model (``reward.model``, its workers started) or LLM judge
+    (``reward.judge``) and how its score combines; ``None`` without either."""
+    if spec is None and judge is None:
+        return None
+    scorer = RewardModelPool(spec) if spec is not None else JudgeScorer(judge) if judge is not None else None
+    return ModelReward(scorer, cfg.combine, cfg.model_weight, cfg.rule_weight, cfg.model_normalize)

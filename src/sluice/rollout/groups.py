@@ -4,8 +4,10 @@
 schedules (ROLL Flash §5.1.1):
 
 - ``queue`` (default): every group is an independent task; each sample is scored as soon as it
-  finishes (overlapping its siblings' generation), each group is filtered and written to the
-  TransferQueue the moment its last sample is scored, so one long group never holds the others;
+  finishes (overlapping its siblings' generation), the whole group by the reward model
+  (``reward.model``, batched with the groups finishing beside it) once its last sample is; each
+  group is filtered and written to the TransferQueue the moment it is scored, so one long group
+  never holds the others;
 - ``batch``: the classic barrier: the whole wave generates, then every sample is scored, then
   groups are filtered and written. A filtered group's credit brings a new wave: the rounds
   repeat until the step has its groups.
@@ -37,6 +39,7 @@ from sluice.api import (
     Sample,
 )
 from sluice.queue.samples import samples_to_rows
+from sluice.rewards.combine import ModelReward
 from sluice.rollout.filters import GroupFilter, reward_failure, reward_failure_cause
 from sluice.rollout.group_tasks import GroupTasks
 from sluice.rollout.single_turn import SingleTurnWorkflow
@@ -112,6 +115,7 @@ class GroupRunner:
         group_filter: GroupFilter | None = None,
         scheduling: Scheduling = "queue",
         tracer: SpanRecorder | None = None,
+        model_reward: ModelReward | None = None,
     ) -> None:
         if scheduling not in ("queue", "batch"):
             raise ValueError(f"unknown scheduling {scheduling!r}; expected 'queue' or 'batch'")
@@ -123,6 +127,8 @@ class GroupRunner:
         self.group_filter = group_filter
         self.scheduling = scheduling
         self.tracer = tracer or SpanRecorder("rollout", enabled=False)
+        self.model_reward = model_reward
+        """The reward model (``reward.model``): scores each finished group before its filters."""
         self._groups = GroupTasks()
         self._partitions: dict[int, Partition] = {}
         """The queue partition of each group of a multi-controller run still to be stored."""
@@ -173,6 +179,9 @@ class GroupRunner:
         return {gid: report(gid) for gid in gens}
 
     async def _store(self, group_id: int, samples: list[Sample], item: PromptItem) -> GroupReport:
+        if self.model_reward is not None and reward_failure(samples) is None:
+            with self.tracer.span("reward_model", lane="reward_model", group=group_id):
+                samples = await self.model_reward.apply(item.prompt, samples, self._decode)
         reason = reward_failure(samples) or (self.group_filter(samples) if self.group_filter else None)
         failed_by, error = reward_failure_cause(samples) or (None, "")
         partition = self._partitions.pop(group_id, None)
@@ -194,4 +203,8 @@ class GroupRunner:
             response_lengths=tuple(len(s.response_ids) for s in samples),
             truncated=sum(s.meta.get("finish_reason") == "length" for s in samples),
             data_source=str(item.fields.get("data_source", "")),
+            rm_scores=tuple(s.meta["rm_score"] for s in samples if "rm_score" in s.meta),
         )
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.workflow.tokenizer.decode(list(ids), skip_special_tokens=True))

@@ -40,7 +40,9 @@ from sluice.config.models import RewardConfig, RolloutConfig
 from sluice.config.resources import RolloutResources
 from sluice.engines import build_inference_engine
 from sluice.engines.hf_model import load_tokenizer
-from sluice.rewards import build_reward_service, overlong_shaping
+from sluice.rewards import build_model_reward, build_reward_service, no_rule_reward, overlong_shaping
+from sluice.rewards.judge import JudgeSpec
+from sluice.rewards.reward_model import RewardModelSpec
 from sluice.rollout.agent_runner import AgentEpisodeRunner
 from sluice.rollout.agent_session import ExpectedCalls
 from sluice.rollout.agentic import EnvRolloutSpec, build_env_runner, evaluate_episodes
@@ -93,9 +95,14 @@ class RolloutWorker:
         trace_max_events: int | None = None,
         replica_timeout_s: float | None = None,
         name: str = "rollout",
+        reward_model: RewardModelSpec | None = None,
+        judge: JudgeSpec | None = None,
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.reward = build_reward_service(reward_config, reward)  # first: a reward that cannot run stops here
+        if (reward_model is not None or judge is not None) and agentic is not None:
+            raise ConfigError("reward.model / judge: single-turn rollouts only (an environment scores its episodes)")
+        self.model_reward = build_model_reward(reward_config, reward_model, judge)
         penalty = overlong_shaping(reward_config, params.max_new_tokens)
         if penalty is not None and agentic is not None:
             raise ConfigError("reward.overlong_buffer: single-turn rollouts only (an environment scores its episodes)")
@@ -132,10 +139,11 @@ class RolloutWorker:
                 self.proxy,
                 workflow,
                 queue,
-                self.reward,
+                self.reward if reward_config.combine == "sum" else no_rule_reward,  # model: the RM alone
                 group_filter=FILTERS[rollout.filter_groups],
                 scheduling=rollout.scheduling,
                 tracer=self.tracer,
+                model_reward=self.model_reward,
             )
 
     def _expect_calls(self, expected: ExpectedCalls, hold: float) -> None:
@@ -268,7 +276,8 @@ class RolloutWorker:
         proxy = {f"proxy_{k}": v for k, v in self.proxy.stats().items() if k not in ("version", "pending_version")}
         proxy.update({f"proxy_{k}": v for k, v in self._watch_counts.items()})
         episodes = self.env_runner.stats() if self.env_runner is not None else {}
-        return {**await self.proxy.engine_stats(), **proxy, **self.reward.stats(), **episodes}
+        model = self.model_reward.stats() if self.model_reward is not None else {}
+        return {**await self.proxy.engine_stats(), **proxy, **self.reward.stats(), **model, **episodes}
 
     async def weights_fingerprint(self) -> tuple[int, float]:
         """(oldest version a replica holds, float64 sum of the parameters, which all replicas share)."""
@@ -290,6 +299,8 @@ class RolloutWorker:
         """Stop the reward processes and replica actors (a killed Ray actor's reward processes and
         the actors it owns end on their own)."""
         self.reward.close()
+        if self.model_reward is not None:
+            self.model_reward.close()
         if self.env_runner is not None:  # an agent runner's endpoint and event loop
             self.env_runner.episodes.close()
         if self.resources.replica_actors:

@@ -30,6 +30,8 @@ from sluice.dag.spec import load_dag
 from sluice.data import PromptStream
 from sluice.queue import AsyncLocalQueue, LocalQueue
 from sluice.queue.snapshot import groups_snapshot
+from sluice.rewards.judge import JudgeSpec
+from sluice.rewards.reward_model import RewardModelSpec
 from sluice.rollout.agentic import EnvRolloutSpec
 from sluice.rollout.evaluate import EvalResult
 from sluice.rollout.worker import RolloutWorker
@@ -291,7 +293,36 @@ def rollout_kwargs(spec: PipelineSpec, queue: Any, replica_options: dict[str, An
         "trace": cfg.run.trace,
         "trace_max_events": cfg.run.trace_max_events,
         "replica_timeout_s": cfg.run.stall_timeout_s / 2,  # before the loop's own watchdog
+        "reward_model": reward_model_spec(cfg),
+        "judge": judge_spec(cfg),
     }
+
+
+def judge_spec(cfg: SluiceConfig) -> JudgeSpec | None:
+    """The LLM judge (``reward.judge``), or ``None``."""
+    r = cfg.reward
+    if r.judge is None:
+        return None
+    return JudgeSpec(r.judge, r.judge_template, r.judge_parser, tuple(r.judge_choices.items()), r.judge_max_new_tokens)
+
+
+def reward_model_spec(cfg: SluiceConfig) -> RewardModelSpec | None:
+    """The reward model's workers (``reward.model``, ``resources.reward_model``): objects in the
+    rollout worker's process with ``run.backend: local``, a Ray actor each with ``ray``."""
+    if cfg.reward.model is None:
+        return None
+    res = cfg.resources.reward_model
+    options = {"num_cpus": res.cpus if res.cpus is not None else 0, "num_gpus": res.gpus or 0}
+    return RewardModelSpec(
+        path=cfg.reward.model,
+        token_budget=cfg.reward.model_token_budget,
+        workers=res.workers,
+        threads=res.threads,
+        chat_template=cfg.data.chat_template,
+        actors=cfg.run.backend == "ray",
+        actor_options=tuple(options.items()),
+        timeout_s=cfg.reward.model_timeout_s,
+    )
 
 
 def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync: Any = None) -> dict[str, Any]:

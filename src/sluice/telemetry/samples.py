@@ -28,6 +28,8 @@ class SampleSummary:
     reward: float
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
+    rm_score: float | None = None
+    """The reward model's score before combining (``reward.model``; ``None``: none)."""
 
 
 class TokenDecoder(Protocol):
@@ -41,7 +43,15 @@ def summarize_samples(samples: Sequence[Sample], count: int) -> list[SampleSumma
     n = len(samples)
     chosen = [samples[k * n // count] for k in range(count)] if n > count else list(samples)
     return [
-        SampleSummary(s.uid, s.group_id, s.version, float(s.reward), tuple(s.prompt_ids), tuple(s.response_ids))
+        SampleSummary(
+            s.uid,
+            s.group_id,
+            s.version,
+            float(s.reward),
+            tuple(s.prompt_ids),
+            tuple(s.response_ids),
+            s.meta.get("rm_score"),
+        )
         for s in chosen
     ]
 
@@ -61,6 +71,7 @@ def sample_rows(step: int, summaries: Sequence[SampleSummary], tokenizer: TokenD
             "reward": s.reward,
             "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=False),
             "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+            **({"rm_score": s.rm_score} if s.rm_score is not None else {}),
         }
         for s in summaries
     ]
