@@ -29,9 +29,14 @@ def preflight(config: SluiceConfig, reward_given: bool) -> TaskSpec:
 
 
 def check_agentic(config: SluiceConfig, task_env: str | None) -> None:
-    """A multi-turn run needs ``num_env_groups`` at least the step's groups; an agent excludes an
-    explicit ``env`` and the barrier mode. Raises ``ConfigError`` naming the field."""
+    """A multi-turn run needs ``num_env_groups`` at least the step's groups and scores its episodes
+    itself (no ``reward.model`` / ``judge``); an agent excludes an explicit ``env`` and the barrier
+    mode. Raises ``ConfigError`` naming the field."""
     agentic = config.agentic
+    multi_turn = agentic.agent is not None or (agentic.env or task_env) is not None
+    if multi_turn and (config.reward.model is not None or config.reward.judge is not None):
+        which = "reward.model" if config.reward.model is not None else "reward.judge"
+        raise ConfigError(f"{which}: single-turn rollouts only (an environment or agent scores its episodes)")
     if agentic.agent is not None and agentic.env is not None:
         raise ConfigError(f"agentic.agent: {agentic.agent!r} and agentic.env: {agentic.env!r} exclude each other")
     if agentic.agent is not None and agentic.mode == "barrier":

@@ -102,6 +102,9 @@ def test_a_bad_reward_model_is_refused_at_start(tiny_task_model, tmp_path, capsy
     assert "reward.model:" in err and "is not a scalar reward model" in err and len(err.splitlines()) == 1
     assert main(["train", *base, "reward.combine=model"]) == 2
     assert "set reward.model" in capsys.readouterr().err
+    assert main(["train", *base, "task.name=calculator", f"reward.model={tiny_task_model}"]) == 2  # multi-turn
+    err = capsys.readouterr().err.strip()
+    assert err == "error: reward.model: single-turn rollouts only (an environment or agent scores its episodes)"
 
 
 def test_run_with_an_llm_judge(tiny_task_model, tmp_path):

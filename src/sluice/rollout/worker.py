@@ -100,8 +100,6 @@ class RolloutWorker:
     ) -> None:
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.reward = build_reward_service(reward_config, reward)  # first: a reward that cannot run stops here
-        if (reward_model is not None or judge is not None) and agentic is not None:
-            raise ConfigError("reward.model / judge: single-turn rollouts only (an environment scores its episodes)")
         self.model_reward = build_model_reward(reward_config, reward_model, judge)
         penalty = overlong_shaping(reward_config, params.max_new_tokens)
         if penalty is not None and agentic is not None:
