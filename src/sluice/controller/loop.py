@@ -99,7 +99,7 @@ class Controller:
                 chosen, metrics = await self.admission.train_step(self.version)  # optimizer step: v -> v + 1
                 self.version += 1
                 await self._await_sync()  # one weight sync in flight at a time
-                self._sync = asyncio.create_task(self._sync_weights(self.version))
+                self._sync = asyncio.create_task(self._sync_weights(self.version, metrics.get("weights_checksum")))
                 if self.admission.barrier:  # sync: the engines hold v + 1 before anything else happens
                     await self._await_sync()
                 keep_going = await after_step(self.version, chosen, metrics)
@@ -118,15 +118,25 @@ class Controller:
         """(policy version, groups reported): changes whenever the loop moves."""
         return self.version, self.admission.reported
 
-    async def _sync_weights(self, version: int) -> None:
+    async def _sync_weights(self, version: int, published: float | None = None) -> None:
         """Engines load ``version``. Exposed time: the worker's fetch + load (generation stalls
-        for it), or the whole sync when admission had no credit left at the old version."""
+        for it), or the whole sync when admission had no credit left at the old version.
+        ``published``: the trainer's checksum of ``version`` (``run.check_weights``), which the
+        engines' must equal."""
         starved = await self.admission.before_sync(version)
         started = time.monotonic()
         metrics = await self.pipeline.sync_weights(version)
+        held = metrics.get("engine_checksum")
+        if published is not None and held is not None and held != published:
+            raise RuntimeError(
+                f"run.check_weights: after loading version {version} the engines hold weights with checksum "
+                f"{held!r}, the trainer published {published!r}"
+            )
         took = time.monotonic() - started
         stalled = metrics.get("weight_fetch_s", 0.0) + metrics.get("weight_load_s", 0.0)
         self.sync_metrics = {**metrics, "weight_sync_s": took, "exposed_weight_sync_s": took if starved else stalled}
+        if published is not None and held is not None:
+            self.sync_metrics["weights_checked_version"] = float(version)
         self.admission.opened()
 
     async def _await_sync(self) -> None:

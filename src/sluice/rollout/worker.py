@@ -54,10 +54,15 @@ from sluice.rollout.replicas import engine_fingerprint, start_engine_actors, wat
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
+from sluice.weights.broadcast import EngineWorkersFeed
 
 ENGINE_REPLACEMENTS = 3
 """How many dead replica actors (``resources.rollout.replica_actors``) a run replaces; the next
 death is the proxy's to handle with the replicas left."""
+
+
+CHECK_POLL_S = 0.01
+"""``run.check_weights``: how often a load waits to see every replica hold the new version."""
 
 
 class RolloutWorker:
@@ -82,8 +87,12 @@ class RolloutWorker:
         trace: bool = True,
         trace_max_events: int | None = None,
         replica_timeout_s: float | None = None,
+        weight_feed: EngineWorkersFeed | None = None,
+        check_weights: bool = False,
         name: str = "rollout",
     ) -> None:
+        self.check_weights = check_weights
+        """Report the engines' checksum of each version loaded (``run.check_weights``)."""
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.reward = build_reward_service(reward_config, reward)  # first: a reward that cannot run stops here
         penalty = overlong_shaping(reward_config, params.max_new_tokens)
@@ -94,6 +103,8 @@ class RolloutWorker:
         self.resources = resources = resources or RolloutResources()
         """Replica count and placement (``resources.rollout``; ``replica_options``: the Ray options
         of replica actors, where the pipeline placed them)."""
+        self.weight_feed = weight_feed
+        """Set when the engines' own workers receive each version from the broadcast group."""
         self.proxy = self._start_replicas(model_dir, rollout, fleet, engine_options, threads, replica_options)
         self.fleet = fleet
         self._replica_timeout_s = replica_timeout_s if resources.replica_actors else None
@@ -164,8 +175,8 @@ class RolloutWorker:
             engine_actors(replicas)
             if actors
             else [
-                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
-                for _ in range(replicas)
+                build_inference_engine(engine, model_dir, max_batch=max_batch, options=self._options(engine_options, i))
+                for i in range(replicas)
             ]
         )
         return LLMProxy(
@@ -178,6 +189,14 @@ class RolloutWorker:
             replace=replacement if actors else None,
             replacements=ENGINE_REPLACEMENTS,
         )
+
+    def _options(self, engine_options: Mapping[str, Any], replica: int) -> Mapping[str, Any]:
+        """Replica ``replica``'s engine options: with a ``weight_feed`` its workers' place in the
+        broadcast group (ranks ``1 + replica * tensor_parallel_size`` on)."""
+        if self.weight_feed is None:
+            return engine_options
+        ranks = int(engine_options.get("tensor_parallel_size", 1))
+        return {**engine_options, "weight_group": self.weight_feed.worker_group(1 + replica * ranks)}
 
     async def run_groups(
         self, groups: Sequence[tuple[PromptItem, int]], partitions: Mapping[int, Partition] | None = None
@@ -212,7 +231,13 @@ class RolloutWorker:
             await self.proxy.sync_weights(weights, version, mode)  # type: ignore[arg-type]
         loaded = time.perf_counter()
         held = await self.proxy.settled()  # here, not polled over Ray calls: each waits for a decode step
-        return {"weight_fetch_s": fetched - start, "weight_load_s": loaded - fetched, "engine_version": held}
+        metrics = {"weight_fetch_s": fetched - start, "weight_load_s": loaded - fetched, "engine_version": held}
+        if self.check_weights:  # once every replica holds it (defer: after its drain)
+            while self.proxy.stats()["version"] < version:
+                await asyncio.sleep(CHECK_POLL_S)
+            held_version, checksum = await self.weights_fingerprint()
+            metrics.update(engine_version=float(held_version), engine_checksum=checksum)
+        return metrics
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
         """Greedy (and ``config.samples`` sampled) responses to ``items`` with the current weights,
@@ -262,3 +287,7 @@ class RolloutWorker:
 
             for handle in self.engines:
                 ray.kill(handle)
+        else:  # engines in this process that run their own (vLLM's engine core and workers)
+            for engine in self.engines:
+                if callable(getattr(engine, "close", None)):
+                    engine.close()
