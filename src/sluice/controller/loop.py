@@ -96,7 +96,7 @@ class Controller:
         await self.admission.start(steps)
         try:
             while self.version < steps:
-                chosen, metrics = await self.admission.train_step(self.version)  # optimizer step: v -> v + 1
+                chosen, metrics = await self._train_step()  # optimizer step: v -> v + 1
                 self.version += 1
                 await self._await_sync()  # one weight sync in flight at a time
                 self._sync = asyncio.create_task(self._sync_weights(self.version, metrics.get("weights_checksum")))
@@ -113,6 +113,20 @@ class Controller:
             await self.admission.stop(failed=True)
             raise
         await self.admission.stop(failed=False)
+
+    async def _train_step(self) -> tuple[list[int], dict[str, float]]:
+        """The admission's next step, or the running weight sync's error as soon as it fails (a
+        step waiting for groups of the new version would otherwise wait for the stall watchdog)."""
+        step = asyncio.ensure_future(self.admission.train_step(self.version))
+        sync = self._sync
+        if sync is not None:
+            await asyncio.wait({step, sync}, return_when=asyncio.FIRST_COMPLETED)
+            failed = sync.done() and not sync.cancelled() and sync.exception() is not None
+            if failed and not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                await sync  # raises its error
+        return await step
 
     def progress(self) -> tuple[int, int]:
         """(policy version, groups reported): changes whenever the loop moves."""
