@@ -189,3 +189,13 @@ def test_defer_update_drains_then_reloads(
     assert engine.weights_checksum() == pytest.approx(expected, rel=1e-9)
     sampled = generate_all(loop, engine, [request("d-sampled", ids(model_dir, "2718|"), 40, seed=9)])
     assert sampled[0].logprobs == pytest.approx(recomputed(load_causal_lm(model_dir), sampled, 1.0)[0], abs=2e-4)
+
+
+def test_seeded_prompts_over_one_steps_token_budget_all_finish(engine: VLLMEngine, model_dir: Path, loop) -> None:
+    """24 prompts of 200 tokens are more than one engine step takes (2048 tokens): on CPU vLLM
+    must not split a seeded request's prefill over two steps (its engine core dies doing so);
+    each prompt waits for a step with room for all of it. Last in the module: without the fix
+    the engine is dead."""
+    prompt = ids(model_dir, "1234567890|" * 18)[:200]
+    got = generate_all(loop, engine, [request(f"long{i}", prompt, 4, seed=i) for i in range(24)])
+    assert [c.finish_reason for c in got] == ["length"] * 24 and all(len(c.token_ids) == 4 for c in got)

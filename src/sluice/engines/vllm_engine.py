@@ -40,6 +40,7 @@ its backends need GPUs), pipeline parallelism.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
@@ -110,6 +111,17 @@ def placement_args(
     else:  # vLLM gives the KV cache what this fraction leaves after weights and activations
         args["gpu_memory_utilization"] = gpu_memory_utilization
     return args
+
+
+def unchunked_prefill(model_dir: str | Path, max_model_len: int | None) -> dict[str, Any]:
+    """vLLM's scheduling arguments on CPU. vLLM 0.32 fails on CPU when the prefill of a seeded
+    request is split over two engine steps (its worker rewinds the request's generator by an
+    offset, which CPU generators do not have: ``RuntimeError: CPU Generator does not use
+    offset``, and the engine core dies), and sluice seeds every request; so prefills are not
+    chunked on CPU: a prompt waits for a step with room for all of it, each step taking up to
+    ``max(2048, longest sequence)`` tokens."""
+    longest = max_model_len or json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, int(longest or 0))}
 
 
 def reload_from_shared(worker: Any, weights: SharedHandle) -> None:
@@ -250,9 +262,12 @@ class VLLMEngine(SegmentedEngine):
             enforce_eager=current_platform.is_cpu() if enforce_eager is None else enforce_eager,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
-            **placement,
-            **extra,
-            **dict(engine_args or {}),
+            **{  # engine_args last: they override
+                **placement,
+                **extra,
+                **(unchunked_prefill(model_dir, max_model_len) if current_platform.is_cpu() else {}),
+                **dict(engine_args or {}),
+            },
         )
         untie = isinstance(folders, GroupVersions) and folders.untie
         tied = isinstance(folders, GroupVersions) and folders.tied
