@@ -8,8 +8,9 @@ admitted sample was trained exactly once and every version was checked:
 - local backend, async η = 1, ``interrupt`` updates, weights through the shared-memory block,
   stopped at a step-2 checkpoint and resumed with ``resume=auto`` (the engine starts from the
   base model and is brought to the checkpoint's version);
-- Ray backend, async η = 1, ``defer`` updates, two vLLM replicas whose workers receive every
-  version over the gloo broadcast group (``fleet.weight_transfer: broadcast``) in 1 MiB buckets;
+- Ray backend, async η = 1, ``defer`` updates, two vLLM replicas, each in its own actor
+  (``replica_actors``, as on GPUs), whose workers receive every version over the gloo broadcast
+  group (``fleet.weight_transfer: broadcast``) in 1 MiB buckets;
 - local backend, sync: the ``guess_number`` game's two-turn episodes (a guess, the env's answer,
   a second guess), each turn one vLLM request of the episode's session.
 """
@@ -77,7 +78,8 @@ def test_local_async_interrupt_resumed_trains_every_sample_once_on_the_trainers_
 def test_ray_broadcast_into_two_replicas_workers_with_defer(vllm_model, tmp_path, ray_cluster):
     records = _fit(
         vllm_model, tmp_path, "ray", "run.backend=ray", "run.mode=async", "rollout.max_staleness=1",
-        "rollout.weight_update=defer", "resources.rollout.replicas=2", "fleet.weight_transfer=broadcast",
+        "rollout.weight_update=defer", "resources.rollout.replicas=2", "resources.rollout.replica_actors=true",
+        "fleet.weight_transfer=broadcast",
         "fleet.broadcast_backend=gloo", "trainer.weight_bucket_mb=1",
     )  # fmt: skip
     _checked(records)

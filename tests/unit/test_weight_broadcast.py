@@ -151,7 +151,6 @@ def test_fleet_config_picks_the_transfer() -> None:
     ("overrides", "field"),
     [
         (["rollout.weight_update=staggered"], r"rollout\.weight_update: staggered"),
-        (["resources.rollout.replica_actors=true"], r"resources\.rollout\.replica_actors"),
         (["run.controller=multi"], r"run\.controller: multi"),
         (["vllm.weight_transfer=folder"], r"vllm\.weight_transfer: folder"),
     ],
@@ -163,3 +162,4 @@ def test_what_vllm_workers_on_the_group_cannot_run_is_refused_naming_it(override
     with pytest.raises(ValueError, match=field):
         load_config(None, [*base, *overrides])
     assert load_config(None, [*base, "rollout.weight_update=defer"]).fleet.weight_transfer == "broadcast"
+    assert load_config(None, [*base, "resources.rollout.replica_actors=true"]).resources.rollout.replica_actors

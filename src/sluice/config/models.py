@@ -353,12 +353,11 @@ class SluiceConfig(_Section):
 
 def check_vllm_broadcast(config: SluiceConfig) -> None:
     """What ``fleet.weight_transfer: broadcast`` into vLLM's workers cannot run, one line each:
-    every replica's workers take part in every broadcast, together, and stay members for the run."""
+    every replica's workers take part in every broadcast, together, and stay members for the run
+    (so a dead replica actor is not replaced: the next broadcast fails the run)."""
     why = "with rollout.engine: vllm and fleet.weight_transfer: broadcast (vLLM's workers join the group"
     if config.rollout.weight_update == "staggered":
         raise ValueError(f"rollout.weight_update: staggered cannot run {why} and load every version together)")
-    if config.resources.rollout.replica_actors:
-        raise ValueError(f"resources.rollout.replica_actors cannot run {why}: a replaced actor could not rejoin)")
     if config.run.controller == "multi":
         raise ValueError(f"run.controller: multi cannot run {why} of one rollout worker)")
     if config.vllm.weight_transfer == "folder":

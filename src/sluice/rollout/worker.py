@@ -161,9 +161,17 @@ class RolloutWorker:
         engine, max_batch = rollout.engine, rollout.max_batch
 
         def engine_actors(count: int) -> list[Any]:
+            if self.weight_feed is not None:  # each its own ranks in the broadcast group
+                return [actor for i in range(count) for actor in engine_actors_at(i)]
             return start_engine_actors(
                 count, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads,
                 placement=replica_options,
+            )  # fmt: skip
+
+        def engine_actors_at(index: int) -> list[Any]:
+            return start_engine_actors(
+                1, engine, str(model_dir), max_batch=max_batch, options=self._options(engine_options, index),
+                threads=threads, placement=replica_options,
             )  # fmt: skip
 
         async def replacement() -> Any:
@@ -186,7 +194,7 @@ class RolloutWorker:
             length_predictor=OnlineLengthRanker() if fleet.lpt else None,
             slots=max_batch,
             long_tail=long_tail_split(fleet, max_batch),
-            replace=replacement if actors else None,
+            replace=replacement if actors and self.weight_feed is None else None,  # a new one could not join
             replacements=ENGINE_REPLACEMENTS,
         )
 
