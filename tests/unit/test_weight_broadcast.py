@@ -163,3 +163,6 @@ def test_what_vllm_workers_on_the_group_cannot_run_is_refused_naming_it(override
         load_config(None, [*base, *overrides])
     assert load_config(None, [*base, "rollout.weight_update=defer"]).fleet.weight_transfer == "broadcast"
     assert load_config(None, [*base, "resources.rollout.replica_actors=true"]).resources.rollout.replica_actors
+    for option, instead in (("rollout.dtype=bfloat16", "vllm.dtype"), ("rollout.session_cache_mib=8", "prefix")):
+        with pytest.raises(ValueError, match=rf"{option.split('=')[0]} is the built-in engine's.*{instead}"):
+            load_config(None, ["rollout.engine=vllm", option])

@@ -86,6 +86,9 @@ class RolloutConfig(_Section):
     def _reprefill_engine(self) -> RolloutConfig:
         if not self.reprefill and self.engine != "hf":
             raise ValueError(f"rollout.reprefill: false needs rollout.engine: hf (got {self.engine!r})")
+        for option, instead in (("dtype", "vllm.dtype"), ("session_cache_mib", "vLLM's own prefix caching")):
+            if self.engine == "vllm" and option in self.model_fields_set:
+                raise ValueError(f"rollout.{option} is the built-in engine's; with rollout.engine: vllm use {instead}")
         if self.forced_lag and self.max_staleness != int(self.max_staleness):
             raise ValueError(
                 f"rollout.forced_lag holds the trainer a whole number of steps behind: rollout.max_staleness "
