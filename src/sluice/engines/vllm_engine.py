@@ -29,12 +29,17 @@ mode), so build it before this process forks anything. Versions and weight-updat
   CPU weight repacking (loading into the model directly would not), a tied-embedding model is
   served untied (``lm_head.weight`` sent as its own tensor; ``weight_folder.py`` says why), and
   the prefix cache is reset after each load.
+- **Weights over the broadcast group** (``weight_group``: ``fleet.weight_transfer: broadcast``):
+  each vLLM worker joins trainer rank 0's group itself (``worker_extension_cls``) and receives
+  and loads every version bucket by bucket when the engine loads it; the engine only names the
+  version (``vllm_weight_group.py``).
+- **Scheduling on CPU**: prefills are not chunked (``unchunked_prefill`` says why).
 - **Placement**: ``tensor_parallel_size`` and ``gpu_memory_utilization`` go to vLLM as they are,
   after ``placement_args`` checks that this worker can run them (one message naming the
   ``vllm.*`` field otherwise).
 
-Not here: LoRA, multi-modal inputs, vLLM's NCCL weight-transfer API (``init_weight_transfer_engine``:
-its backends need GPUs), pipeline parallelism.
+Not here: LoRA adapters in vLLM (the trainer sends merged weights), multi-modal inputs, vLLM's own
+weight-transfer API (``init_weight_transfer_engine``: its backends need GPUs), pipeline parallelism.
 """
 
 from __future__ import annotations
