@@ -119,14 +119,16 @@ class Controller:
         step waiting for groups of the new version would otherwise wait for the stall watchdog)."""
         step = asyncio.ensure_future(self.admission.train_step(self.version))
         sync = self._sync
-        if sync is not None:
-            await asyncio.wait({step, sync}, return_when=asyncio.FIRST_COMPLETED)
-            failed = sync.done() and not sync.cancelled() and sync.exception() is not None
-            if failed and not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
-                await sync  # raises its error
-        return await step
+        try:
+            if sync is not None:
+                await asyncio.wait({step, sync}, return_when=asyncio.FIRST_COMPLETED)
+                if sync.done() and not sync.cancelled() and sync.exception() is not None and not step.done():
+                    await sync  # raises its error (the step is cancelled below)
+            return await step
+        except BaseException:
+            step.cancel()  # a cancelled run (the watchdog) or a failed sync: no orphaned step
+            await asyncio.gather(step, return_exceptions=True)
+            raise
 
     def progress(self) -> tuple[int, int]:
         """(policy version, groups reported): changes whenever the loop moves."""
