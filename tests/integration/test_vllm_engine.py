@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,7 +38,7 @@ PROMPTS = ("12345|", "907|", "4|", "31415926|")
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, loop: asyncio.AbstractEventLoop, temp_root: Path) -> Iterator[VLLMEngine]:
-    engine = VLLMEngine(model_dir, max_batch=16, kv_cache_mb=16, max_model_len=256)
+    engine = VLLMEngine(model_dir, max_batch=128, kv_cache_mb=64, max_model_len=256)
     # the first sampled batch with log-probs pays a one-off cost; take it here, not in a test
     loop.run_until_complete(engine.generate(request("warm", ids(model_dir, "1|"), 4, temperature=1.0)))
     yield engine
@@ -191,11 +192,17 @@ def test_defer_update_drains_then_reloads(
     assert sampled[0].logprobs == pytest.approx(recomputed(load_causal_lm(model_dir), sampled, 1.0)[0], abs=2e-4)
 
 
-def test_seeded_prompts_over_one_steps_token_budget_all_finish(engine: VLLMEngine, model_dir: Path, loop) -> None:
-    """24 prompts of 200 tokens are more than one engine step takes (2048 tokens): on CPU vLLM
-    must not split a seeded request's prefill over two steps (its engine core dies doing so);
-    each prompt waits for a step with room for all of it. Last in the module: without the fix
-    the engine is dead."""
-    prompt = ids(model_dir, "1234567890|" * 18)[:200]
-    got = generate_all(loop, engine, [request(f"long{i}", prompt, 4, seed=i) for i in range(24)])
-    assert [c.finish_reason for c in got] == ["length"] * 24 and all(len(c.token_ids) == 4 for c in got)
+def test_seeded_prompts_over_one_steps_token_budget_all_finish(engine: VLLMEngine, loop) -> None:
+    """150 sampled (seeded) requests of 20-200 prompt tokens and 1-40 new tokens on 128 slots:
+    slots free up mid-stream and new prompts meet a step's leftover token budget (2048). On CPU vLLM must not
+    split a seeded request's prefill over two steps (its engine core dies doing so); each prompt
+    waits for a step with room for all of it. Last in the module: without the fix the engine is
+    dead."""
+    rng = random.Random(0)
+    requests = [
+        request(f"long{i}", tuple(rng.randrange(3, 14) for _ in range(rng.randrange(20, 200))), rng.randrange(1, 40),
+                seed=i, temperature=1.0)
+        for i in range(150)
+    ]  # fmt: skip
+    got = generate_all(loop, engine, requests)
+    assert [len(c.token_ids) for c in got] == [r.params.max_new_tokens for r in requests]
