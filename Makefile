@@ -104,9 +104,11 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(VLLM_BIN)/python -c "import transformers, vllm, sluice.engines.vllm_engine; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 
-# The vLLM engine tests, in the vLLM venv (one engine per pytest session).
+# The vLLM tests, in the vLLM venv: the engine (one per module), weights into vLLM's workers over
+# the broadcast group, and short `sluice train` runs through vLLM (docs/engines.md).
+VLLM_TESTS := tests/integration/test_vllm_engine.py tests/integration/test_vllm_broadcast.py tests/integration/test_vllm_train.py
 vllm-test: $(VLLM_STAMP)
-	$(VLLM_BIN)/pytest -p no:cacheprovider tests/integration/test_vllm_engine.py
+	$(VLLM_BIN)/pytest -p no:cacheprovider $(VLLM_TESTS) --durations=5
 
 # The wheels scripts/gpu_check.sh installs on a GPU machine without network (docs/hardware.md):
 # sluice's dependencies for the local backend that a torch + transformers image lacks (pydantic,

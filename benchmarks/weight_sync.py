@@ -17,8 +17,9 @@ Prints a table and writes JSON. ``.venv/bin/python benchmarks/weight_sync.py [--
 (millions of float32 parameters).
 
 ``--vllm`` (in ``.venv-vllm``) adds the vLLM engine's side, both ``vllm.weight_transfer`` modes
-in the same run: per model (``--vllm-models``), the seconds per weight update that the engine
-stands closed when it reloads a tmpfs folder vs when it reloads tensors sent in memory
+and the broadcast group into vLLM's worker (``--vllm-transfers``) in the same run: per model
+(``--vllm-models``), the seconds per weight update that the engine stands closed when it reloads
+a tmpfs folder, tensors sent in memory, or buckets received from the group
 (``harness/vllm_weight_sync.py`` defines the columns). ``--sizes`` with no value skips the Ray
 rows: ``.venv-vllm/bin/python benchmarks/weight_sync.py --vllm --sizes``.
 """
@@ -117,13 +118,13 @@ def measure(backend: str, millions: float, versions: int, step_s: float) -> dict
 
 
 def print_vllm(rows: list[dict[str, Any]]) -> None:
-    print(f"{'vLLM model':<10} {'MB':>6} {'transfer':<8} {'stage s':>8} {'load s':>8} {'exposed s':>9} "
-          f"{'vs folder':>9} {'files':>5}  greedy ok")  # fmt: skip
+    print(f"{'vLLM model':<10} {'MB':>6} {'transfer':<9} {'stage s':>8} {'load s':>8} {'exposed s':>9} "
+          f"{'vs first':>9} {'files':>5}  greedy ok")  # fmt: skip
     base: dict[str, float] = {}
     for r in rows:
         ref = base.setdefault(r["model"], r["exposed_s"])
         print(
-            f"{r['model']:<10} {r['mb']:>6.1f} {r['mode']:<8} {r['stage_s']:>8.4f} {r['load_s']:>8.4f} "
+            f"{r['model']:<10} {r['mb']:>6.1f} {r['mode']:<9} {r['stage_s']:>8.4f} {r['load_s']:>8.4f} "
             f"{r['exposed_s']:>9.4f} {ref / r['exposed_s']:>8.2f}x {r['files']:>5.0f}  {r['greedy_ok']}"
         )
 
@@ -135,13 +136,14 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=2.0, help="simulated training step for 'overlapped'")
     parser.add_argument("--vllm", action="store_true", help="add the vLLM rows (needs .venv-vllm)")
     parser.add_argument("--vllm-models", nargs="+", default=["tiny", "small", "medium"])
+    parser.add_argument("--vllm-transfers", nargs="+", default=["folder", "memory", "broadcast"])
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = parser.parse_args()
     vllm_rows = []
     if args.vllm:  # first: vLLM's engine processes are spawned before Ray starts any
         from harness.vllm_weight_sync import measure_vllm
 
-        vllm_rows = [measure_vllm(m, t, args.versions) for m in args.vllm_models for t in ("folder", "memory")]
+        vllm_rows = [measure_vllm(m, t, args.versions) for m in args.vllm_models for t in args.vllm_transfers]
         print_vllm(vllm_rows)
     rows = ray_rows(args) if args.sizes else []
     write_results(args.out, args, rows, vllm_rows=vllm_rows)

@@ -1,14 +1,18 @@
-"""How long a vLLM engine stands closed per weight update: folder reload vs tensors in memory.
+"""How long a vLLM engine stands closed per weight update: folder reload vs tensors in memory vs
+the broadcast group into vLLM's worker.
 
-``benchmarks/weight_sync.py --vllm`` calls ``measure_vllm`` once per model and
-``vllm.weight_transfer`` mode, each with its own ``VLLMEngine`` (the stager is fixed when the
-engine starts) in this process and on one event loop. Per version: ``update_weights`` in
+``benchmarks/weight_sync.py --vllm`` calls ``measure_vllm`` once per model and transfer
+(``vllm.weight_transfer``'s ``folder`` and ``memory``, and ``broadcast``: this process publishes
+as trainer rank 0 of a gloo group, ``fleet.weight_transfer: broadcast``, and the engine's worker
+receives and loads bucket by bucket), each with its own ``VLLMEngine`` (the stager is fixed when
+the engine starts) in this process and on one event loop. Per version: ``update_weights`` in
 ``defer`` mode on an idle engine, then wait until ``stats()["version"]`` names it, then
 ``GAP_S`` of quiet (a training step between two versions: the engine's processes settle). Columns,
 medians over the versions (the first update is a warm-up and not counted):
 
 - ``stage s``: the ``update_weights`` call itself (folder: write ``model.safetensors`` to tmpfs;
-  memory: snapshot the tensors), which blocks whoever hands the weights over;
+  memory: snapshot the tensors; broadcast: the trainer's ``publish``, its one packing copy),
+  which blocks whoever hands the weights over;
 - ``load s``: vLLM's ``reload_weights`` RPC plus the prefix-cache reset (``weight_load_s``);
 - ``exposed s``: from the call to the new version being active: the time per training step
   that the engine admits no request because of the weight sync;
@@ -68,12 +72,14 @@ def _files(root: Path) -> int:
     return sum(1 for p in root.rglob("*") if p.is_file())
 
 
-async def _updates(engine: Any, sets: list[dict[str, torch.Tensor]], versions: int, root: Path) -> dict[str, list]:
+async def _updates(
+    engine: Any, update: Any, sets: list[dict[str, torch.Tensor]], versions: int, root: Path
+) -> dict[str, list]:
     rows: dict[str, list] = {"stage_s": [], "load_s": [], "exposed_s": [], "files": []}
     for version in range(1, versions + 2):
         files, loaded = _files(root), engine.stats()["weight_load_s"]
         start = time.perf_counter()
-        engine.update_weights(sets[(versions + 1 - version) % 2], version, "defer")
+        update(sets[(versions + 1 - version) % 2], version)
         staged = time.perf_counter()
         new_files = _files(root) - files
         while engine.stats()["version"] != version:
@@ -90,8 +96,11 @@ async def _updates(engine: Any, sets: list[dict[str, torch.Tensor]], versions: i
 
 
 def measure_vllm(name: str, mode: str, versions: int, kv_cache_mb: int = 64) -> dict[str, Any]:
-    """One row: ``name``'s model (``MODELS``) served by a ``VLLMEngine`` with ``weight_transfer=mode``."""
+    """One row: ``name``'s model (``MODELS``) served by a ``VLLMEngine`` whose updates come by
+    ``mode``: a ``weight_transfer`` (``folder``, ``memory``) or ``broadcast`` (the group)."""
     from sluice.engines.vllm_engine import VLLMEngine
+    from sluice.trainer.data_parallel import free_tcp_address
+    from sluice.weights import BroadcastWeightSync
 
     with (
         tempfile.TemporaryDirectory(prefix="vllm-sync-models-") as tmp,
@@ -100,12 +109,22 @@ def measure_vllm(name: str, mode: str, versions: int, kv_cache_mb: int = 64) -> 
         ) as weights_root,
     ):
         folder, sets, params = build_models(name, Path(tmp))
-        engine = VLLMEngine(folder, max_batch=4, kv_cache_mb=kv_cache_mb, max_model_len=256,
-                            weights_dir=weights_root, weight_transfer=mode)  # fmt: skip
+        group = BroadcastWeightSync(free_tcp_address(), receivers=1, backend="gloo") if mode == "broadcast" else None
+        engine = VLLMEngine(folder, max_batch=4, kv_cache_mb=kv_cache_mb, max_model_len=256, weights_dir=weights_root,
+                            weight_transfer="memory" if group else mode,  # type: ignore[arg-type]
+                            weight_group=group.engines().worker_group(1) if group else None)  # fmt: skip
+
+        def update(weights: dict[str, torch.Tensor], version: int) -> None:
+            if group is None:
+                engine.update_weights(weights, version, "defer")
+            else:  # the trainer's publish, then the engine loads the version from the group
+                group.publisher().publish(weights, version)
+                engine.update_weights({}, version, "defer")
+
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(engine.generate(_greedy(0)))
-            rows = loop.run_until_complete(_updates(engine, sets, versions, Path(weights_root)))
+            rows = loop.run_until_complete(_updates(engine, update, sets, versions, Path(weights_root)))
             got = loop.run_until_complete(engine.generate(_greedy(1)))
         finally:
             close_vllm(engine, loop)

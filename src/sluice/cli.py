@@ -129,7 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="end-to-end benchmarks (bench e2e: sync vs streaming vs async)")
     bench.add_argument("kind", choices=["e2e"])
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every variant")
-    bench.add_argument("--variants", help="comma-separated subset, e.g. 'sync,async η=1'")
+    bench.add_argument(
+        "--variants", help="comma-separated subset, e.g. 'sync,async η=1'; 'vllm': the vLLM rows (in .venv-vllm)"
+    )
     bench.add_argument(
         "--workload", default="default", choices=["default", "agentic-wait", "reward-wait"],
         help="what is trained: the config as given, or a waiting-bound workload (env or reward calls wait μ ± μ s)",
@@ -346,6 +348,7 @@ def _bench(args: argparse.Namespace) -> int:
     from sluice.bench.e2e import (
         DEFAULT_VARIANTS,
         VARIANTS,
+        VLLM_VARIANTS,
         WAIT_VARIANTS,
         format_table,
         run_e2e,
@@ -355,6 +358,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     default = DEFAULT_VARIANTS if args.workload == "default" else WAIT_VARIANTS
     variants = [v.strip() for v in args.variants.split(",")] if args.variants else default
+    if variants == ["vllm"]:
+        variants = VLLM_VARIANTS
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ConfigError(f"bench e2e --variants: unknown {unknown} (choose from {list(VARIANTS)})")

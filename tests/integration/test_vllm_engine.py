@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
-import re
-import tempfile
+import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from sluice.api import Completion, GenerationRequest, Sample, SamplingParams, VersionedEngine
+from sluice.api import Completion, VersionedEngine
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.engines.hf_train import HFTrainEngine
@@ -30,65 +27,20 @@ from tiny import save_tiny_task_model
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make vllm-test` runs these in .venv-vllm")
 
-import psutil  # a vLLM dependency
-
+import vllm_support
 from sluice.engines.vllm_engine import VLLMEngine
+from vllm_support import files, generate_all, ids, recomputed, request
+
+loop, model_dir, temp_root = vllm_support.loop, vllm_support.model_dir, vllm_support.temp_root  # module fixtures
 
 PROMPTS = ("12345|", "907|", "4|", "31415926|")
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    pending = asyncio.all_tasks(loop)  # vLLM's output handler outlives the engine's shutdown
-    for task in pending:
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_task_model(tmp_path_factory.mktemp("vllm_model"), head_dim=64)
-
-
-@pytest.fixture(scope="module")
-def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A temp folder of this module's own, for this process and vLLM's (set before they spawn)."""
-    root = tmp_path_factory.mktemp("vllm_tmpdir")
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"], tempfile.tempdir = str(root), None
-    yield root
-    if old is None:
-        del os.environ["TMPDIR"]
-    else:
-        os.environ["TMPDIR"] = old
-    tempfile.tempdir = None
-
-
-def _files(temp_root: Path) -> set[Path]:
-    """Every file under /dev/shm (where a folder update would go) and the temp folder, except
-    those named after a process outside this one's tree (``sluice-arena-<pid>-0`` of a test
-    running beside this one on a shared machine)."""
-    roots = [Path("/dev/shm"), Path(tempfile.gettempdir())]
-    assert Path(tempfile.gettempdir()) == temp_root
-    ours = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
-    found = {p for root in roots if root.is_dir() for p in root.rglob("*") if p.is_file()}
-    return {p for p in found if not _named_after_other(p, roots, ours)}
-
-
-def _named_after_other(path: Path, roots: list[Path], ours: set[int]) -> bool:
-    top = next(path.relative_to(root).parts[0] for root in roots if path.is_relative_to(root))
-    pids = {int(n) for n in re.findall(r"-(\d+)(?=-|$)", top)}
-    return bool(pids) and not pids & ours
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir: Path, loop: asyncio.AbstractEventLoop, temp_root: Path) -> Iterator[VLLMEngine]:
-    engine = VLLMEngine(model_dir, max_batch=16, kv_cache_mb=16, max_model_len=256)
+    engine = VLLMEngine(model_dir, max_batch=128, kv_cache_mb=64, max_model_len=256)
     # the first sampled batch with log-probs pays a one-off cost; take it here, not in a test
-    loop.run_until_complete(engine.generate(_request("warm", _ids(model_dir, "1|"), 4, temperature=1.0)))
+    loop.run_until_complete(engine.generate(request("warm", ids(model_dir, "1|"), 4, temperature=1.0)))
     yield engine
     engine.close()
 
@@ -102,37 +54,13 @@ def other_weights(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return {name: tensor.clone() for name, tensor in exported.items()}
 
 
-def _ids(model_dir: Path, text: str) -> tuple[int, ...]:
-    return tuple(load_tokenizer(model_dir)(text)["input_ids"])
-
-
-def _request(rid: str, prompt: tuple[int, ...], n: int, seed: int = 0, **params: Any) -> GenerationRequest:
-    return GenerationRequest(rid, prompt, SamplingParams(max_new_tokens=n, **params), seed=seed)
-
-
-def _generate_all(loop: asyncio.AbstractEventLoop, engine: VLLMEngine, requests: list[GenerationRequest]) -> list:
-    async def main() -> list[Completion]:
-        return await asyncio.gather(*(engine.generate(r) for r in requests))
-
-    return loop.run_until_complete(main())
-
-
-def _recomputed(model: Any, completions: list[Completion], temperature: float) -> list[list[float]]:
-    """What the trainer computes for these completions (its own log-prob code)."""
-    samples = [
-        Sample(c.request_id, 0, c.prompt_ids, c.token_ids, c.logprobs, c.versions, (1,) * len(c.token_ids), 0.0)
-        for c in completions
-    ]
-    return HFTrainEngine(model, lr=1e-3).logprobs(samples, temperature)
-
-
 def test_engine_satisfies_protocol(engine: VLLMEngine) -> None:
     assert isinstance(engine, VersionedEngine)
 
 
 def test_greedy_tokens_and_logprobs_match_hf(engine: VLLMEngine, model_dir: Path, loop) -> None:
-    requests = [_request(f"g{i}", _ids(model_dir, p), 12, temperature=0.0) for i, p in enumerate(PROMPTS)]
-    got = _generate_all(loop, engine, requests)
+    requests = [request(f"g{i}", ids(model_dir, p), 12, temperature=0.0) for i, p in enumerate(PROMPTS)]
+    got = generate_all(loop, engine, requests)
     hf = HFInferenceEngine(load_causal_lm(model_dir))
     futures = [hf.submit(r) for r in requests]
     while hf.has_work():
@@ -146,11 +74,11 @@ def test_greedy_tokens_and_logprobs_match_hf(engine: VLLMEngine, model_dir: Path
 def test_sampled_logprobs_match_the_trainer_and_stop_tokens_stop(engine: VLLMEngine, model_dir: Path, loop) -> None:
     stop = load_tokenizer(model_dir).convert_tokens_to_ids("3")
     requests = [
-        _request(f"s{i}", _ids(model_dir, p), 24, seed=i, temperature=0.7, stop_token_ids=(stop,))
+        request(f"s{i}", ids(model_dir, p), 24, seed=i, temperature=0.7, stop_token_ids=(stop,))
         for i, p in enumerate(PROMPTS * 2)
     ]
-    got = _generate_all(loop, engine, requests)
-    ref = _recomputed(load_causal_lm(model_dir), got, temperature=0.7)
+    got = generate_all(loop, engine, requests)
+    ref = recomputed(load_causal_lm(model_dir), got, temperature=0.7)
     for c, lp in zip(got, ref, strict=True):
         assert c.logprobs == pytest.approx(lp, abs=2e-4)
         assert (c.finish_reason == "stop") == (c.token_ids[-1] == stop)
@@ -161,7 +89,7 @@ def test_sampled_logprobs_match_the_trainer_and_stop_tokens_stop(engine: VLLMEng
 
 def test_abort_ends_one_request_and_spares_the_others(engine: VLLMEngine, model_dir: Path, loop) -> None:
     async def main() -> list[Completion]:
-        tasks = [asyncio.ensure_future(engine.generate(_request(f"a{i}", _ids(model_dir, "55|"), 200, seed=i)))
+        tasks = [asyncio.ensure_future(engine.generate(request(f"a{i}", ids(model_dir, "55|"), 200, seed=i)))
                  for i in range(3)]  # fmt: skip
         while engine.stats()["generated_tokens"] < start + 30:
             await asyncio.sleep(0.002)
@@ -178,7 +106,7 @@ def test_abort_ends_one_request_and_spares_the_others(engine: VLLMEngine, model_
 
 def test_pause_holds_decoding_until_resume(engine: VLLMEngine, model_dir: Path, loop) -> None:
     async def main() -> tuple[Completion, float, float]:
-        task = asyncio.ensure_future(engine.generate(_request("p", _ids(model_dir, "77|"), 200, seed=5)))
+        task = asyncio.ensure_future(engine.generate(request("p", ids(model_dir, "77|"), 200, seed=5)))
         while engine.stats()["generated_tokens"] < start + 5:
             await asyncio.sleep(0.002)
         engine.pause()
@@ -204,20 +132,20 @@ def test_interrupt_update_mixes_versions_and_each_token_matches_its_weights(
     new.load_state_dict(other_weights)
 
     async def main() -> list[Completion]:
-        reqs = [_request(f"i{i}", _ids(model_dir, p), 150, seed=i) for i, p in enumerate(PROMPTS)]
+        reqs = [request(f"i{i}", ids(model_dir, p), 150, seed=i) for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
         while engine.stats()["generated_tokens"] < start + 40:
             await asyncio.sleep(0.002)
-        before.update(_files(temp_root))
+        before.update(files(temp_root))
         engine.update_weights(other_weights, base + 1, "interrupt")
         return await asyncio.gather(*tasks)
 
     start, before = engine.stats()["generated_tokens"], set[Path]()
     got = loop.run_until_complete(main())
     assert engine.version == base + 1 and engine.stats()["reprefill_tokens"] > 0
-    assert _files(temp_root) - before == set()  # the new version came in memory: no file written
+    assert files(temp_root) - before == set()  # the new version came in memory: no file written
     assert engine.weights_checksum() == pytest.approx(HFInferenceEngine(new).weights_checksum(), rel=1e-9)
-    old_lp, new_lp = _recomputed(old, got, 1.0), _recomputed(new, got, 1.0)
+    old_lp, new_lp = recomputed(old, got, 1.0), recomputed(new, got, 1.0)
     mixed = 0
     for c, lp_old, lp_new in zip(got, old_lp, new_lp, strict=True):
         assert len(c.token_ids) == 150 and c.finish_reason == "length"
@@ -234,13 +162,13 @@ def test_defer_update_drains_then_reloads(
     """Runs after the interrupt test: go back to the folder's weights (version +1) in defer mode."""
     original = HFTrainEngine(load_causal_lm(model_dir), lr=1e-3).export_weights()
     base = engine.version
-    greedy = _request("d-after", _ids(model_dir, "12345|"), 12, temperature=0.0)
+    greedy = request("d-after", ids(model_dir, "12345|"), 12, temperature=0.0)
 
     async def main() -> tuple[Completion, Completion]:
-        running = asyncio.ensure_future(engine.generate(_request("d-run", _ids(model_dir, "8|"), 120, seed=3)))
+        running = asyncio.ensure_future(engine.generate(request("d-run", ids(model_dir, "8|"), 120, seed=3)))
         while engine.stats()["running"] == 0:
             await asyncio.sleep(0.002)
-        before.update(_files(temp_root))
+        before.update(files(temp_root))
         engine.update_weights(original, base + 1, "defer")
         assert engine.stats()["pending_version"] == base + 1
         after = asyncio.ensure_future(engine.generate(greedy))  # waits: admission is closed
@@ -248,7 +176,7 @@ def test_defer_update_drains_then_reloads(
 
     drained_before, before = engine.stats()["weight_drain_s"], set[Path]()
     ran, after = loop.run_until_complete(main())
-    assert _files(temp_root) - before == set()  # in memory: no file written
+    assert files(temp_root) - before == set()  # in memory: no file written
     assert set(ran.versions) == {base} and len(ran.token_ids) == 120  # finished on the old weights
     assert set(after.versions) == {base + 1} and engine.stats()["pending_version"] == -1
     assert engine.stats()["weight_drain_s"] > drained_before
@@ -257,8 +185,24 @@ def test_defer_update_drains_then_reloads(
     while hf.has_work():
         hf.step()
     assert after.token_ids == future.result().token_ids  # the reloaded weights are the folder's again
-    assert after.logprobs == pytest.approx(_recomputed(load_causal_lm(model_dir), [after], 1.0)[0], abs=2e-4)
+    assert after.logprobs == pytest.approx(recomputed(load_causal_lm(model_dir), [after], 1.0)[0], abs=2e-4)
     expected = HFInferenceEngine(load_causal_lm(model_dir)).weights_checksum()
     assert engine.weights_checksum() == pytest.approx(expected, rel=1e-9)
-    sampled = _generate_all(loop, engine, [_request("d-sampled", _ids(model_dir, "2718|"), 40, seed=9)])
-    assert sampled[0].logprobs == pytest.approx(_recomputed(load_causal_lm(model_dir), sampled, 1.0)[0], abs=2e-4)
+    sampled = generate_all(loop, engine, [request("d-sampled", ids(model_dir, "2718|"), 40, seed=9)])
+    assert sampled[0].logprobs == pytest.approx(recomputed(load_causal_lm(model_dir), sampled, 1.0)[0], abs=2e-4)
+
+
+def test_seeded_prompts_over_one_steps_token_budget_all_finish(engine: VLLMEngine, loop) -> None:
+    """150 sampled (seeded) requests of 20-200 prompt tokens and 1-40 new tokens on 128 slots:
+    slots free up mid-stream and new prompts meet a step's leftover token budget (2048). On CPU vLLM must not
+    split a seeded request's prefill over two steps (its engine core dies doing so); each prompt
+    waits for a step with room for all of it. Last in the module: without the fix the engine is
+    dead."""
+    rng = random.Random(0)
+    requests = [
+        request(f"long{i}", tuple(rng.randrange(3, 14) for _ in range(rng.randrange(20, 200))), rng.randrange(1, 40),
+                seed=i, temperature=1.0)
+        for i in range(150)
+    ]  # fmt: skip
+    got = generate_all(loop, engine, requests)
+    assert [len(c.token_ids) for c in got] == [r.params.max_new_tokens for r in requests]

@@ -162,3 +162,26 @@ def test_admission_stops_at_the_runs_budget(eta):
     assert len(ledger.groups) == 5 * 4
     assert not [g for g in ledger.groups.values() if g.discard_reason == "run_end"]
     assert sum(len(step) for step in pipe.steps) == 5 * 4
+
+
+class _CheckedPipeline(FakePipeline):
+    """Publishes each version's checksum; its engines load version ``wrong`` with other weights."""
+
+    def __init__(self, wrong: int | None) -> None:
+        super().__init__(lambda gid: 0.0)
+        self.wrong = wrong
+
+    async def finish_step(self) -> dict[str, float]:
+        return {**await super().finish_step(), "weights_checksum": float(self.trainer_version)}
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        await super().sync_weights(version)
+        return {"engine_checksum": float(version) + (0.5 if version == self.wrong else 0.0)}
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_check_weights_stops_the_run_at_the_first_version_the_engines_hold_differently(eta):
+    controller, _ = _run(_CheckedPipeline(wrong=None), eta, steps=4)
+    assert controller.sync_metrics["weights_checked_version"] == 4.0
+    with pytest.raises(RuntimeError, match=r"after loading version 3 the engines hold weights with checksum 3\.5"):
+        _run(_CheckedPipeline(wrong=3), eta, steps=4)

@@ -49,11 +49,13 @@ def test_the_bench_table_shows_the_cpu_bound_and_the_most_it_allows_against_sync
         "trainer_idle_fraction": 0.5, "exposed_weight_sync_s": 0.0, "staleness": {"0": 3.0},
         "base_accuracy": 0.1, "final_accuracy": 0.2, "cpu_s": 24.0, "cpu_bound_s": 12.0,
     }  # fmt: skip
-    fast = {**row, "variant": "async", "trained_tokens": 900.0, "cpu_s": 8.0, "cpu_bound_s": 4.0}
+    fast = {**row, "variant": "async", "trained_tokens": 900.0, "cpu_s": 8.0, "cpu_bound_s": 4.0,
+            "weight_load_s_per_version": 0.0123, "logprob_gap_mean": 0.0005}  # fmt: skip
     line = format_table([row, fast, {**row, "cpu_s": None, "cpu_bound_s": None}]).splitlines()
     assert "24.0" in line[2] and "12.0" in line[2] and "0.83x" in line[2]  # 1000 tokens / 12 s vs 100 tok/s
     assert "2.25x" in line[3]  # 900 tokens / 4 s vs 100 tok/s: the most async could reach on this work
-    assert line[4].count("n/a") == 3
+    assert "0.0123" in line[3] and "0.0005" in line[3]  # weight load seconds per version, log-prob gap
+    assert line[4].count("n/a") == 5
     assert bound_vs_first(fast, row) == pytest.approx(2.25)
     assert bound_vs_first({**row, "cpu_bound_s": None}, row) is None
 

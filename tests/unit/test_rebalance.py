@@ -95,6 +95,7 @@ def test_rebalancer_averages_its_window():
         ),
         (["resources.rollout.replicas=2", "resources.rollout.max_replicas=1"], r"replicas \(2\) <= max_replicas \(1\)"),
         (["resources.rollout.min_replicas=2"], r"min_replicas \(2\) <= replicas \(1\)"),
+        (["fleet.weight_transfer=broadcast", "run.backend=ray"], r"a broadcast group's ranks are fixed"),
     ],
 )
 def test_rebalance_options_a_run_cannot_honour_are_refused(overrides, message):

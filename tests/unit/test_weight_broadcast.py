@@ -13,7 +13,10 @@ import torch
 from sluice.api.protocols import WeightSync
 from sluice.trainer.data_parallel import free_tcp_address
 from sluice.weights import WEIGHT_SYNCS, BroadcastWeightSync, WeightVersionError
-from sluice.weights.broadcast import flatten, unflatten
+from sluice.weights.broadcast import EngineWorkersFeed, flatten, unflatten
+from sluice.weights.wire import bucket_layout, bucket_ranges
+
+BUCKET = 64
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -30,7 +33,7 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 
 def _receive(address: str, versions: list[int], keep: int, results: mp.Queue) -> None:
     torch.set_num_threads(1)
-    sync = BroadcastWeightSync(address, receivers=1, keep=keep).receiver(1)
+    sync = BroadcastWeightSync(address, receivers=1, keep=keep, bucket_bytes=BUCKET).receiver(1)
     got: dict[int, object] = {}
     for version in versions:
         try:
@@ -60,9 +63,24 @@ def test_flatten_round_trip_packs_tied_tensors_once() -> None:
     assert torch.equal(unflatten(layout, again)["steps"], torch.tensor([4]))
 
 
+def test_buckets_cut_between_tensors_and_keep_aliases_with_their_source() -> None:
+    weights = _weights(3)  # embed 176 B (lm_head its alias), norm 8 B, bias 24 B, steps 8 B
+    layout, buffer = flatten(weights, torch.device("cpu"))
+    ranges = bucket_ranges(layout, BUCKET)
+    assert ranges == [(0, 176), (176, 216)]  # the embedding alone fills one; the rest is the last
+    assert [e[0] for e in bucket_layout(layout, ranges, 0)] == ["embed.weight", "lm_head.weight"]
+    rebuilt: dict[str, torch.Tensor] = {}
+    for index, (start, end) in enumerate(ranges):  # what a receiver that loads as it goes sees
+        rebuilt |= unflatten(bucket_layout(layout, ranges, index), buffer[start:end].clone(), start)
+    assert rebuilt.keys() == weights.keys()
+    assert all(torch.equal(rebuilt[n], t) for n, t in weights.items())
+    assert bucket_ranges(layout, 1) == [(0, 176), (176, 184), (184, 208), (208, 216)]  # one tensor each
+    assert bucket_ranges(layout, 1 << 20) == [(0, 216)] and bucket_ranges([], 8) == [(0, 0)]
+
+
 def test_two_processes_hold_identical_weights_after_each_broadcast() -> None:
     address = free_tcp_address()
-    group = BroadcastWeightSync(address, receivers=1, backend="gloo")
+    group = BroadcastWeightSync(address, receivers=1, backend="gloo", bucket_bytes=BUCKET)  # 3 buckets a version
     publisher = group.publisher()
     assert isinstance(publisher, WeightSync) and WEIGHT_SYNCS["broadcast"] is BroadcastWeightSync
     published = {v: _weights(v) for v in (1, 2, 3)}
@@ -120,3 +138,31 @@ def test_fleet_config_picks_the_transfer() -> None:
     with pytest.raises(ValueError, match=r"resources\.rollout\.replica_actors needs"):
         load_config(None, ["resources.rollout.replica_actors=true", "run.backend=local"])
     assert load_config(None, ["fleet.lpt=true", "run.mode=sync"]).fleet.lpt  # sync runs the same LLMProxy
+    trainer, feed = weight_syncs(fleet, "unused", engine_ranks=4, bucket_mb=2)  # vLLM's workers receive
+    assert isinstance(trainer, BroadcastWeightSync) and isinstance(feed, EngineWorkersFeed)
+    assert trainer.group.world_size == 5 and trainer.group.bucket_bytes == 2 << 20
+    assert feed.worker_group(3).as_tuple() == (trainer.group.address, 5, "gloo", fleet.broadcast_timeout_s, 3)
+    assert feed.fetch(1) == {}  # nothing passes through the rollout worker
+    with pytest.raises(ValueError, match="outside"):
+        feed.worker_group(5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["rollout.weight_update=staggered"], r"rollout\.weight_update: staggered"),
+        (["run.controller=multi"], r"run\.controller: multi"),
+        (["vllm.weight_transfer=folder"], r"vllm\.weight_transfer: folder"),
+    ],
+)
+def test_what_vllm_workers_on_the_group_cannot_run_is_refused_naming_it(overrides: list[str], field: str) -> None:
+    from sluice.config import load_config
+
+    base = ["rollout.engine=vllm", "fleet.weight_transfer=broadcast", "run.backend=ray"]
+    with pytest.raises(ValueError, match=field):
+        load_config(None, [*base, *overrides])
+    assert load_config(None, [*base, "rollout.weight_update=defer"]).fleet.weight_transfer == "broadcast"
+    assert load_config(None, [*base, "resources.rollout.replica_actors=true"]).resources.rollout.replica_actors
+    for option, instead in (("rollout.dtype=bfloat16", "vllm.dtype"), ("rollout.session_cache_mib=8", "prefix")):
+        with pytest.raises(ValueError, match=rf"{option.split('=')[0]} is the built-in engine's.*{instead}"):
+            load_config(None, ["rollout.engine=vllm", option])

@@ -51,10 +51,23 @@ VARIANTS: dict[str, list[str]] = {
         "run.threads=1",
         "rollout.reprefill=false",
     ],
+    "vllm sync": ["run.mode=sync", "run.backend=local", "rollout.engine=vllm"],
+    "vllm async η=1": ["run.mode=async", "rollout.max_staleness=1", "rollout.engine=vllm"],
+    "vllm async η=1 bcast": [
+        "run.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.engine=vllm",
+        "fleet.weight_transfer=broadcast",
+    ],
 }
 """``async η=1 1proc``: the one-process placement (rollout on the event loop, trainer in a thread, one
 torch thread each): no Ray actors, queue actors or weight registry to pay for on one node; an
-in-flight weight load keeps the running rows' KV cache (``rollout.reprefill``: no re-prefill)."""
+in-flight weight load keeps the running rows' KV cache (``rollout.reprefill``: no re-prefill).
+The ``vllm`` rows generate with vLLM (run them in ``.venv-vllm``; set ``vllm.*`` by override):
+weights through the shared-memory block, or with ``bcast`` over the broadcast group into vLLM's
+workers (``fleet.weight_transfer: broadcast``)."""
+VLLM_VARIANTS = ["async η=1", "vllm sync", "vllm async η=1", "vllm async η=1 bcast"]
+"""``--variants vllm``: the built-in engine's η = 1 row beside vLLM's (docs/engines.md)."""
 
 
 DEFAULT_VARIANTS = ["sync", "stream η=0", "async η=1", "async η=4", "async η=1 dp2", "sync 1 thread", "async η=1 1proc"]
@@ -140,6 +153,10 @@ def _row(name: str, result: Any) -> dict[str, Any]:
         "cpu_s": cpu.get("cpu_total"),
         "cpu_bound_s": round(cpu["cpu_total"] / cpu["cores"], 2) if "cpu_total" in cpu else None,
         "cpu_by_role": {k.removeprefix("cpu_"): v for k, v in cpu.items() if k.startswith("cpu_") and k != "cpu_total"},
+        "weight_sync_s_per_version": _mean(r.get("weight_sync_s") for r in train),
+        "weight_load_s_per_version": _mean(r.get("weight_load_s") for r in train),
+        "logprob_gap_mean": _mean(r.get("logprob_gap_mean") for r in train),
+        "logprob_gap_max": max((r["logprob_gap_max"] for r in train if "logprob_gap_max" in r), default=None),
         "base_accuracy": result.base_accuracy,
         "final_accuracy": result.final_accuracy,
         "run_dir": str(result.run_dir),
@@ -149,8 +166,8 @@ def _row(name: str, result: Any) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["trained_tokens_per_s"] if rows else 1.0
     head = (
-        f"{'variant':<15} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6} "
-        f"{'cpu s':>6} {'bound s':>7} {'≤ vs sync':>9}  {'staleness':<22} {'acc':>11}"
+        f"{'variant':<20} {'trained tok/s':>13} {'vs sync':>7} {'loop s':>7} {'idle':>5} {'sync s':>6} "
+        f"{'cpu s':>6} {'bound s':>7} {'≤ vs sync':>9} {'load s/v':>8} {'lp gap':>7}  {'staleness':<22} {'acc':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -159,10 +176,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         base_acc, final_acc = r["base_accuracy"], r["final_accuracy"]
         acc = "n/a" if base_acc is None or final_acc is None else f"{100 * base_acc:.1f}→{100 * final_acc:.1f}"
         lines.append(
-            f"{r['variant']:<15} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
+            f"{r['variant']:<20} {r['trained_tokens_per_s']:>13,.0f} {r['trained_tokens_per_s'] / base:>6.2f}x "
             f"{r['loop_s']:>7.1f} {'n/a' if idle is None else f'{100 * idle:.0f}%':>5} "
             f"{r['exposed_weight_sync_s']:>6.2f} {_num(r.get('cpu_s')):>6} {_num(r.get('cpu_bound_s')):>7} "
-            f"{_ratio(bound_vs_first(r, rows[0])):>9}  "
+            f"{_ratio(bound_vs_first(r, rows[0])):>9} {_num(r.get('weight_load_s_per_version'), 4):>8} "
+            f"{_num(r.get('logprob_gap_mean'), 4):>7}  "
             f"{hist:<22} {acc:>11}"
         )
     return "\n".join(lines)
@@ -178,8 +196,14 @@ def bound_vs_first(row: dict[str, Any], first: dict[str, Any]) -> float | None:
     return float(row["trained_tokens"] / bound / first["trained_tokens_per_s"])
 
 
-def _num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
+def _mean(values: Any) -> float | None:
+    """The mean of the values that are there (``None`` when none is)."""
+    present = [float(v) for v in values if v is not None]
+    return round(sum(present) / len(present), 6) if present else None
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def _ratio(value: float | None) -> str:

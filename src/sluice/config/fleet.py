@@ -103,6 +103,11 @@ def check_fleet(fleet: FleetConfig, backend: str, controller: str = "single") ->
             f"fleet.rebalance_cooldown ({fleet.rebalance_cooldown}) must be at least fleet.rebalance_window "
             f"({fleet.rebalance_window})"
         )
+    if fleet.rebalance and fleet.weight_transfer == "broadcast":
+        raise ValueError(
+            "fleet.rebalance needs fleet.weight_transfer: object_store (a broadcast group's ranks are "
+            "fixed when it meets: a replica added later could not join it)"
+        )
     if fleet.long_tail_replicas and not fleet.lpt:
         raise ValueError("fleet.long_tail_replicas needs fleet.lpt: true (the long tail is what the ranker predicts)")
     if fleet.weight_transfer == "broadcast" and backend != "ray":

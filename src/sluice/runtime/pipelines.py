@@ -227,10 +227,14 @@ async def wait_engine_version(engine_stats: Callable[[], Awaitable[dict[str, flo
         await asyncio.sleep(WEIGHT_POLL_S)
 
 
-def weight_syncs(fleet: FleetConfig, name: str, address: str | None = None) -> tuple[WeightSync, WeightSync]:
+def weight_syncs(
+    fleet: FleetConfig, name: str, address: str | None = None, *, engine_ranks: int = 0, bucket_mb: int = 256
+) -> tuple[WeightSync, WeightSync]:
     """(the trainer's, the rollout worker's) views of the run's weight transfer (``fleet.*``);
     ``address``: where a broadcast group meets (a free port on trainer rank 0's node; ``None``: on
-    this node's loopback)."""
+    this node's loopback). ``engine_ranks`` > 0: the engines' own workers (that many, vLLM's)
+    receive the broadcasts and the rollout worker gets their feed; else the rollout worker
+    receives. Versions travel in buckets of ``bucket_mb`` MiB (``trainer.weight_bucket_mb``)."""
     from sluice.weights import BroadcastWeightSync, ObjectStoreWeightSync
 
     if fleet.weight_transfer == "broadcast":
@@ -238,13 +242,23 @@ def weight_syncs(fleet: FleetConfig, name: str, address: str | None = None) -> t
 
         group = BroadcastWeightSync(
             address or free_tcp_address(),
-            receivers=1,
+            receivers=engine_ranks or 1,
             backend=fleet.broadcast_backend,
             timeout_s=fleet.broadcast_timeout_s,
+            bucket_bytes=bucket_mb << 20,
         )
-        return group.publisher(), group.receiver(1)
+        return group.publisher(), (group.engines() if engine_ranks else group.receiver(1))
     sync = ObjectStoreWeightSync(name=name)
     return sync, sync
+
+
+def engine_receivers(spec: PipelineSpec) -> int:
+    """How many engine worker processes join the weight broadcast group themselves: vLLM's (one per
+    tensor-parallel rank of each replica); 0 for engines the rollout worker feeds."""
+    cfg = spec.config
+    if cfg.rollout.engine != "vllm" or cfg.fleet.weight_transfer != "broadcast":
+        return 0
+    return cfg.resources.rollout.replicas * cfg.vllm.tensor_parallel_size
 
 
 def placement(spec: PipelineSpec) -> DagPlacement:
@@ -273,8 +287,11 @@ def node_worker_kwargs(spec: PipelineSpec, critic_sync: WeightSync | None) -> di
     }
 
 
-def rollout_kwargs(spec: PipelineSpec, queue: Any, replica_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``replica_options``: Ray options of the engine replica actors (their placement)."""
+def rollout_kwargs(
+    spec: PipelineSpec, queue: Any, replica_options: dict[str, Any] | None = None, weight_feed: Any = None
+) -> dict[str, Any]:
+    """``replica_options``: Ray options of the engine replica actors (their placement);
+    ``weight_feed``: the broadcast group's ``EngineWorkersFeed`` when the engines' workers receive."""
     cfg = spec.config
     return {
         "model_dir": spec.model_dir,
@@ -295,6 +312,8 @@ def rollout_kwargs(spec: PipelineSpec, queue: Any, replica_options: dict[str, An
         "replica_timeout_s": cfg.run.stall_timeout_s / 2,  # before the loop's own watchdog
         "reward_model": reward_model_spec(cfg),
         "judge": judge_spec(cfg),
+        "weight_feed": weight_feed,
+        "check_weights": cfg.run.check_weights,
     }
 
 
@@ -340,4 +359,5 @@ def trainer_kwargs(spec: PipelineSpec, queue: Any, weight_sync: Any, critic_sync
         "trace_max_events": spec.config.run.trace_max_events,
         "critic_sync": critic_sync,
         "reward_column": placement(spec).reward_column,
+        "check_weights": spec.config.run.check_weights,
     }

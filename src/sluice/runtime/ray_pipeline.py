@@ -27,6 +27,7 @@ from sluice.rollout.worker import RolloutWorker
 from sluice.runtime.pipelines import (
     PipelineSpec,
     _Pipeline,
+    engine_receivers,
     node_worker_kwargs,
     placement,
     queue_tasks,
@@ -51,6 +52,7 @@ from sluice.schedule.failures import RunStopped
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
 from sluice.weights import ObjectStoreWeightSync
+from sluice.weights.broadcast import EngineWorkersFeed
 
 T = TypeVar("T")
 
@@ -88,7 +90,11 @@ class RayPipeline(_Pipeline):
         fleet = spec.config.fleet  # a broadcast group meets on trainer rank 0's node, not the driver's
         meet = self.placement.free_address_on(plan.trainers[0]) if fleet.weight_transfer == "broadcast" else None
         self.weight_sync, self.engine_weight_sync = weight_syncs(
-            fleet, f"sluice-weights-{os.getpid()}-{self.key}", meet
+            fleet,
+            f"sluice-weights-{os.getpid()}-{self.key}",
+            meet,
+            engine_ranks=engine_receivers(spec),
+            bucket_mb=spec.config.trainer.weight_bucket_mb,
         )
         rollout_threads = spec.rollout_threads * (1 + self.extra_rollouts)
         over = rollout_threads + spec.trainer_threads * spec.ranks > (os.cpu_count() or 1)
@@ -97,7 +103,8 @@ class RayPipeline(_Pipeline):
         rollout_options.update(max_restarts=self.rollout_restarts_allowed, max_task_retries=0)
         rollout_cls: Any = supervised(self.rollout_class).options(**rollout_options)
         replicas = self.placement.replica_options()
-        self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, AsyncRayQueue(self.queue), replicas))
+        feed = self.engine_weight_sync if isinstance(self.engine_weight_sync, EngineWorkersFeed) else None
+        self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, AsyncRayQueue(self.queue), replicas, feed))
         self.rollout_restarts = 0
         self._recovering = asyncio.Lock()
         self._syncing: int | None = None

@@ -67,8 +67,11 @@ class TrainerWorker:
         reward_column: str | None = None,
         engine: TrainEngine | None = None,
         algorithm: Algorithm | None = None,
+        check_weights: bool = False,
     ) -> None:
         torch.set_num_threads(threads)
+        self.check_weights = check_weights
+        """Report each published version's checksum (``run.check_weights``)."""
         self.engine: TrainEngine = engine or train_engine(model_dir, trainer, temperature, steps)
         """The policy's train engine (``engine`` / ``algorithm``: ones built elsewhere, e.g. a test's fakes)."""
         self.temperature = temperature
@@ -188,6 +191,8 @@ class TrainerWorker:
         """Version ``v + 1``: publish the weights, close the step, report."""
         self.version += 1
         self._publish_weights()
+        if self.check_weights:  # fsdp2: every rank takes part in the gather, as in the publish
+            metrics = {**metrics, "weights_checksum": self.weights_fingerprint()[1]}
         trained = sum(len(s.response_ids) for s in samples)
         if self.reward_column:  # the reward the advantages saw, beside the rollout's ``reward_mean``
             mean = sum(s.reward for s in samples) / max(len(samples), 1)

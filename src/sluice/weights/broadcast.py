@@ -8,7 +8,8 @@ process's view (ranks ``1..receivers``).
 - **publish** (rank 0) packs the state dict into one flat byte buffer on the group's device (one
   copy: later optimizer steps cannot change a published version; tied aliases are packed once)
   and returns; a sender thread broadcasts each version, in order, as a header, its layout and its
-  bytes. The trainer never waits for the transfer, so it runs beside the next step (StreamRL's
+  bytes in buckets of ``bucket_bytes`` (``trainer.weight_bucket_mb``; ``wire.py``). The trainer
+  never waits for the transfer, so it runs beside the next step (StreamRL's
   weight transfer off the critical path).
 - **fetch** (ranks ≥ 1): a listener thread receives every broadcast as it comes and keeps the
   newest ``keep`` versions; ``fetch(v)`` waits until ``v`` has arrived and returns tensors viewing
@@ -18,6 +19,9 @@ process's view (ranks ``1..receivers``).
   trainer's data-parallel group and this one coexist. Each process keeps its endpoint in a
   module registry keyed by ``(address, rank)``: Ray pickles the sync object into every call, and
   every copy reaches the same group. Every receiver must take part in every broadcast.
+- **engines()**: the rollout worker's view when its engines' own worker processes are the
+  receivers (vLLM's workers join with ``WorkerGroup`` and load each bucket as it arrives,
+  ``engines/vllm_weight_group.py``); then nothing passes through the rollout worker.
 
 Not here: applying weights (``InferenceEngine.update_weights``), choosing a reachable address
 on a multi-node cluster (``address`` must be on rank 0's node), surviving the publisher (a
@@ -27,71 +31,36 @@ receiver whose publisher died raises from ``fetch``).
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 import torch
-import torch.distributed as dist
 
 from sluice.weights.local import NO_VERSION, check_keep, check_publish, missing_version
+from sluice.weights.wire import (
+    STOP,
+    Layout,
+    bucket_ranges,
+    connect,
+    flatten,
+    receive_bucket,
+    receive_header,
+    resolve,
+    send_stop,
+    send_version,
+    unflatten,
+)
 
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "gloo", "nccl"]
-_STOP = -2  # header version that tells receivers the publisher closed
-Layout = list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, byte offset, bytes
+DEFAULT_BUCKET_BYTES = 256 << 20  # trainer.weight_bucket_mb's default
 
-
-def flatten(
-    named_tensors: Mapping[str, torch.Tensor], device: torch.device, spare: torch.Tensor | None = None
-) -> tuple[Layout, torch.Tensor]:
-    """One ``uint8`` buffer on ``device`` holding every tensor's bytes (tensors sharing storage,
-    shape and dtype, like tied embeddings, once), and the layout that reads them back. ``spare``
-    is reused when it has the right size (a fresh buffer costs its page faults: ~3x the copy)."""
-    layout: Layout = []
-    seen: dict[tuple[int, str, tuple[int, ...]], tuple[int, int]] = {}
-    parts: list[torch.Tensor] = []
-    offset = 0
-    for name, t in named_tensors.items():
-        dtype, shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
-        key = (t.data_ptr(), dtype, shape)
-        if key not in seen:
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            seen[key] = (offset, raw.numel())
-            parts.append(raw)
-            offset += raw.numel()
-        layout.append((name, dtype, shape, *seen[key]))
-    fits = spare is not None and spare.numel() == offset and spare.device == device
-    buffer = spare if fits and spare is not None else torch.empty(offset, dtype=torch.uint8, device=device)
-    at = 0
-    for raw in parts:
-        buffer[at : at + raw.numel()].copy_(raw)
-        at += raw.numel()
-    return layout, buffer
-
-
-def unflatten(layout: Layout, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buffer`` as ``flatten`` laid it out (no copy)."""
-    out = {}
-    for name, dtype, shape, offset, nbytes in layout:
-        raw = buffer[offset : offset + nbytes]
-        kind = getattr(torch, dtype)
-        out[name] = raw.view(kind).reshape(shape) if nbytes else torch.empty(shape, dtype=kind)
-    return out
-
-
-def _resolve(backend: Backend) -> tuple[str, torch.device]:
-    name = backend if backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    if name not in ("gloo", "nccl"):
-        raise ValueError(f"weight broadcast backend must be auto, gloo or nccl, got {backend!r}")
-    return name, torch.device("cuda", torch.cuda.current_device()) if name == "nccl" else torch.device("cpu")
+__all__ = ["Backend", "BroadcastWeightSync", "EngineWorkersFeed", "WorkerGroup", "flatten", "unflatten"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +69,7 @@ class _Group:
     world_size: int
     backend: Backend
     timeout_s: float
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 class _Endpoint:
@@ -107,8 +77,7 @@ class _Endpoint:
 
     def __init__(self, group: _Group, rank: int, keep: int) -> None:
         self.group, self.rank, self.keep = group, rank, keep
-        self.backend, self.device = _resolve(group.backend)
-        self.timeout = timedelta(seconds=group.timeout_s)
+        self.backend, self.device = resolve(group.backend)
         self.latest = NO_VERSION
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.error: BaseException | None = None
@@ -120,30 +89,18 @@ class _Endpoint:
         self.thread.start()
 
     def _connect(self) -> Any:
-        url = urlparse(self.group.address)
-        assert url.hostname is not None and url.port is not None, f"bad address {self.group.address!r}"
-        store = dist.TCPStore(
-            url.hostname, url.port, self.group.world_size, self.rank == 0, self.timeout, wait_for_workers=False
-        )
-        prefixed = dist.PrefixStore("sluice-weights", store)
-        if self.backend == "nccl":
-            from torch.distributed import ProcessGroupNCCL  # only in CUDA builds
-
-            return ProcessGroupNCCL(prefixed, self.rank, self.group.world_size, ProcessGroupNCCL.Options())
-        return dist.ProcessGroupGloo(prefixed, self.rank, self.group.world_size, self.timeout)
+        g = self.group
+        return connect(g.address, g.world_size, self.rank, g.backend, g.timeout_s)
 
     def _send_loop(self) -> None:
         try:
             pg = self._connect()
             while True:
                 version, layout, buffer = self.outbox.get()
-                meta = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
-                header = torch.tensor([version, meta.numel(), buffer.numel()], dtype=torch.int64)
-                pg.broadcast(header.to(self.device), 0).wait()
-                if version == _STOP:
+                if version == STOP:
+                    send_stop(pg, self.device)
                     return
-                pg.broadcast(meta.to(self.device), 0).wait()
-                pg.broadcast(buffer, 0).wait()
+                send_version(pg, self.device, version, layout, buffer, bucket_ranges(layout, self.group.bucket_bytes))
                 self.spare[:] = [buffer]
         except BaseException as exc:  # fails the next publish instead of dying silently
             self._fail(exc)
@@ -152,16 +109,11 @@ class _Endpoint:
         try:
             pg = self._connect()
             while True:
-                header = torch.zeros(3, dtype=torch.int64, device=self.device)
-                pg.broadcast(header, 0).wait()
-                version, meta_bytes, nbytes = header.tolist()
-                if version == _STOP:
-                    raise ConnectionError("the weight publisher closed the broadcast group")
-                meta = torch.empty(meta_bytes, dtype=torch.uint8, device=self.device)
-                pg.broadcast(meta, 0).wait()
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                pg.broadcast(buffer, 0).wait()
-                tensors = unflatten(pickle.loads(meta.cpu().numpy().tobytes()), buffer)
+                version, layout, ranges = receive_header(pg, self.device)
+                buffer = torch.empty(ranges[-1][1], dtype=torch.uint8, device=self.device)
+                for start, end in ranges:
+                    receive_bucket(pg, self.device, start, end, out=buffer[start:end])
+                tensors = unflatten(layout, buffer)
                 with self.changed:
                     self.versions[version] = tensors
                     self.latest = max(self.latest, version)
@@ -202,13 +154,14 @@ class BroadcastWeightSync:
         keep: int = 2,
         backend: Backend = "auto",
         timeout_s: float = 1800.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         if receivers < 1:
             raise ValueError(f"a broadcast group needs at least one receiver, got {receivers}")
         if rank is not None and not 0 <= rank <= receivers:
             raise ValueError(f"rank {rank} outside a group of 1 publisher and {receivers} receivers")
-        _resolve(backend)
-        self.group = _Group(address, receivers + 1, backend, timeout_s)
+        resolve(backend)
+        self.group = _Group(address, receivers + 1, backend, timeout_s, max(bucket_bytes, 1))
         self.rank = rank
         self.keep = check_keep(keep)
 
@@ -222,8 +175,14 @@ class BroadcastWeightSync:
             raise ValueError(f"receiver ranks start at 1, got {rank}")
         return self._as(rank)
 
+    def engines(self) -> EngineWorkersFeed:
+        """The rollout worker's view when its engines' own worker processes are the receivers
+        (vLLM: ``engines/vllm_weight_group.py``)."""
+        return EngineWorkersFeed(self.group)
+
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``named_tensors`` into one buffer and queue its broadcast as ``version``."""
+        """Copy ``named_tensors`` into one buffer and queue its broadcast as ``version``, bucket by
+        bucket (``bucket_bytes``)."""
         endpoint = self._endpoint(0, "publish")
         endpoint.check()
         check_publish(version, endpoint.latest)
@@ -256,7 +215,7 @@ class BroadcastWeightSync:
         if endpoint is None:
             return
         if self.rank == 0:
-            endpoint.outbox.put((_STOP, [], torch.empty(0, dtype=torch.uint8)))
+            endpoint.outbox.put((STOP, [], torch.empty(0, dtype=torch.uint8)))
         endpoint.thread.join(timeout=self.group.timeout_s)
 
     def _as(self, rank: int) -> BroadcastWeightSync:
@@ -273,3 +232,44 @@ class BroadcastWeightSync:
             if key not in _ENDPOINTS:
                 _ENDPOINTS[key] = _Endpoint(self.group, rank, self.keep)
             return _ENDPOINTS[key]
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """What an engine's worker processes need to join a broadcast group as ranks
+    ``first_rank .. first_rank + ranks - 1`` (one per tensor-parallel worker): plain values, so
+    they cross an engine's own RPC."""
+
+    address: str
+    world_size: int
+    backend: str
+    timeout_s: float
+    first_rank: int
+
+    def as_tuple(self) -> tuple[str, int, str, float, int]:
+        return (self.address, self.world_size, self.backend, self.timeout_s, self.first_rank)
+
+
+class EngineWorkersFeed:
+    """``WeightSync`` of a rollout worker whose engines' workers receive every version from the
+    group themselves, when their engine loads it: no tensor passes through the rollout worker, so
+    ``fetch`` returns none (the engine's ``update_weights`` takes the version number only)."""
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+
+    def worker_group(self, first_rank: int) -> WorkerGroup:
+        """The group as one engine's workers join it, from rank ``first_rank`` on."""
+        g = self.group
+        if not 1 <= first_rank < g.world_size:
+            raise ValueError(f"receiver rank {first_rank} outside a group of {g.world_size - 1} receivers")
+        return WorkerGroup(g.address, g.world_size, g.backend, g.timeout_s, first_rank)
+
+    def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        raise RuntimeError("the engines' view of a broadcast group receives; trainer rank 0 publishes")
+
+    def fetch(self, version: int) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def latest_version(self) -> int:
+        return NO_VERSION
