@@ -15,7 +15,7 @@ STAMP := $(VENV)/.sluice-installed
 # machine's CPU torch is a local wheel.
 UV_ARGS = $(shell $(PYTHON) scripts/uv_args.py) -c $(CONSTRAINTS)
 
-.PHONY: run test test-quick test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
+.PHONY: bytecode run test test-quick test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
 
 venv: $(STAMP)
 
@@ -43,23 +43,30 @@ run: $(STAMP)
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
 
+# sluice's own modules (an editable install: uv compiles only site-packages) and the tests'
+# helpers, compiled before a test run: with PYTHONDONTWRITEBYTECODE set no process writes a .pyc,
+# so each Ray actor, spawned rank and `sluice` subprocess compiled them again (≈ 0.5 CPU-s per
+# process that imports the rollout or trainer worker). compileall rewrites only changed files.
+bytecode: $(STAMP)
+	@$(BIN)/python -m compileall -q src tests benchmarks examples >/dev/null
+
 # The inner loop: unit tests only (fast, CPU-only, no Ray cluster, no end-to-end runs).
-test-quick: $(STAMP) sandbox-deps
+test-quick: $(STAMP) sandbox-deps bytecode
 	$(BIN)/pytest tests/unit -m "not scale and not faults" $(XDIST)
 
-test: $(STAMP) sandbox-deps lint typecheck
+test: $(STAMP) sandbox-deps bytecode lint typecheck
 	$(BIN)/pytest tests -m "not scale and not faults" $(XDIST) --durations=15
 
 # Trainer strategies over several processes (DDP / FSDP2 ranks, sharded checkpoints) and the GPU
 # check's CPU run: minutes of spawned ranks, so apart from `make test`; .ci/run calls both.
-test-scale: $(STAMP)
+test-scale: $(STAMP) bytecode
 	$(BIN)/pytest tests -m "scale and not faults" $(XDIST) --durations=10
 
 # Faults in real runs (docs/reliability.md): worker actors and reward workers SIGKILLed or
 # SIGSTOPped mid-run; `sluice train` drivers (local and Ray) SIGKILLed and SIGTERMed at start-up,
 # mid-step and mid-checkpoint. Minutes of process start-ups, so apart from `make test`; .ci/run
 # calls it after test-scale.
-test-faults: $(STAMP)
+test-faults: $(STAMP) bytecode
 	$(BIN)/pytest tests -m faults $(XDIST) --durations=15
 
 lint: $(STAMP)

@@ -33,21 +33,25 @@ def _records(run_dir):
     [("sync", "local", "raise"), ("async", "local", "nan"), ("async", "ray", "raise")],
 )
 def test_a_reward_that_always_fails_stops_the_run(request, tiny_task_model, tmp_path, mode, backend, failure):
+    # the local cases keep the default budget: more than 50 % of a 64-group window, i.e. the 33rd
+    # failed group; the Ray case checks the same rule over an 8-group window (the 5th failed
+    # group), so its rollout actor generates 5 groups instead of 33
+    window, trips = ([], 33)
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
-    config = load_config(None, _overrides(tiny_task_model, tmp_path, f"always_{mode}_{backend}", mode, backend))
-    trainer = RLTrainer(config, reward=FaultyReward(failure, always=True))
+        window, trips = (["run.failure_window=8"], 5)
+    overrides = _overrides(tiny_task_model, tmp_path, f"always_{mode}_{backend}", mode, backend)
+    trainer = RLTrainer(load_config(None, [*overrides, *window]), reward=FaultyReward(failure, always=True))
     started = time.monotonic()
     with pytest.raises(FailureBudgetExceeded) as stop:
         trainer.fit()
     assert time.monotonic() - started < 60
-    # default budget: more than 50 % of a 64-group window, i.e. the 33rd failed group
     assert str(stop.value) == (
-        f"reward 'FaultyReward' failed 33 of the last 33 groups (budget 50 %); last error: {ERRORS[failure]}"
+        f"reward 'FaultyReward' failed {trips} of the last {trips} groups (budget 50 %); last error: {ERRORS[failure]}"
     )
     fates = next(r for r in _records(trainer.run_dir) if r["kind"] == "fates")
     kind = "error" if failure == "raise" else "invalid"
-    assert fates[f"discarded_reward_{kind}:FaultyReward"] >= 33 * 4
+    assert fates[f"discarded_reward_{kind}:FaultyReward"] >= trips * 4
     assert fates["stopped"] == str(stop.value)
     assert "groups_trained" not in fates  # no step ever got a group
 

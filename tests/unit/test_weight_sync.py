@@ -72,3 +72,17 @@ def test_pack_roundtrip_any_dtype() -> None:
     back = unpack(pack(tensors))
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+def test_the_registry_actors_module_does_not_import_torch() -> None:
+    """The object store's registry actor imports ``sluice.weights.registry`` (by reference, as Ray
+    pickles the class): torch there costs every Ray run's start about 2 CPU-seconds."""
+    import subprocess
+    import sys
+
+    from sluice.weights.object_store import _Registry
+
+    heavy = "('torch', 'transformers')"
+    probe = f"import sys, {_Registry.__module__}; print(sorted(m for m in {heavy} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from sluice.weights.local import NO_VERSION, check_keep, check_publish, missing_version
+from sluice.weights.versions import NO_VERSION, check_keep, check_publish, missing_version
 from sluice.weights.wire import (
     STOP,
     Layout,

@@ -23,7 +23,6 @@ broadcast).
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +31,8 @@ import numpy as np
 import torch
 
 from sluice.api.health import HEALTH
-from sluice.weights.local import NO_VERSION, check_keep, check_publish, missing_version
+from sluice.weights.registry import _Registry
+from sluice.weights.versions import NO_VERSION, check_keep, missing_version
 
 Packed = dict[str, tuple[np.ndarray, str, tuple[int, ...]]]  # name -> (uint8 bytes, dtype, shape)
 
@@ -57,33 +57,6 @@ def _tensor(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
     if raw.size == 0:  # an empty uint8 view cannot be reinterpreted (its stride is 0)
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
-
-
-class _Registry:
-    """Actor state: the newest ``keep`` versions' object refs, each boxed in a list so Ray
-    passes the ref itself rather than its value."""
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self._refs: dict[int, list[Any]] = {}
-
-    def store(self, version: int, packed: Packed) -> None:
-        """Put ``packed`` (this actor owns the object, so it outlives its publisher) as ``version``."""
-        import ray
-
-        check_publish(version, max(self._refs, default=NO_VERSION))
-        self._refs[version] = [ray.put(packed)]
-        for old in sorted(self._refs)[: -self.keep]:
-            del self._refs[old]
-
-    def lookup(self, version: int) -> list[Any] | None:
-        return self._refs.get(version)
-
-    def versions(self) -> list[int]:
-        return sorted(self._refs)
-
-    def heartbeat(self) -> float:
-        return time.process_time()  # in the HEALTH group: answered beside a store
 
 
 class ObjectStoreWeightSync:
