@@ -20,13 +20,11 @@ import time
 import pytest
 from test_resume import _steps_logged, _wait_for
 
-from faults.test_worker_faults import _overrides
+from faults.test_worker_faults import STALL_S, _overrides
 from sluice.runtime.processes import run_tag, tagged_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
-STALL_S = 15.0
-"""``run.stall_timeout_s`` of these runs (``_overrides``)."""
 NAMED_WITHIN_S = STALL_S + 2 * min(5.0, STALL_S / 4) + 5.0
 """The timeout, the watchdog's two look intervals, and slack for a loaded machine."""
 

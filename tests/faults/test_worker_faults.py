@@ -30,12 +30,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 STEPS = 5
 GROUPS, SAMPLES = 4, 4
+STALL_S = 8.0
+"""``run.stall_timeout_s`` of these runs: a stopped trainer (or queue actor, registry) is named
+within it plus the watchdog's two looks, a stopped rollout worker is replaced after half of it.
+Short, since each stopped case waits it out; a heartbeat is answered in its own concurrency group
+(a busy actor still answers within a second here), and a worker's first answer (its start-up)
+has ``FIRST_ANSWER_S``."""
 
 
 def _overrides(model_dir: Path, out: Path, name: str, *extra: str) -> list[str]:
     run = [*tiny_run_overrides(model_dir, out, name), "rollout.max_new_tokens=12", "reward.pool_size=0"]
     run += ["task.eval_prompts=4", "run.eval_every=0", f"run.steps={STEPS}", "run.backend=ray", "run.mode=async"]
-    return [*run, "rollout.max_staleness=1", "run.checkpoint_every=1", "run.stall_timeout_s=15", *extra]
+    return [*run, "rollout.max_staleness=1", "run.checkpoint_every=1", f"run.stall_timeout_s={STALL_S}", *extra]
 
 
 def _actor_pids(title: str, parent_title: str | None = None) -> list[int]:

@@ -192,3 +192,34 @@ def test_object_store_path_and_remote_errors(ray_cluster) -> None:
         assert q.get("t", ["x"], 2).columns["x"] == big
     finally:
         q.shutdown()
+
+
+@pytest.mark.faults  # it stops a process
+def test_shutdown_waits_once_for_a_stopped_unit_and_kills_every_actor(ray_cluster) -> None:
+    """Unit 0 SIGSTOPped (as the run's watchdog finds it, ``tests/faults``): ``shutdown`` waits
+    once for its answer (10 s), not again for its ``close_transport``, and kills every actor,
+    the stopped one included."""
+    import os
+    import signal
+    import time
+
+    q = RayQueue.create(num_storage_units=2)
+    q.register_task("t", ["x"])
+    actors = [*q.units, *q.controllers().values()]
+    pids = [ray.get(a.__ray_call__.remote(lambda _: os.getpid())) for a in actors]
+    os.kill(pids[0], signal.SIGSTOP)
+    started = time.monotonic()
+    q.shutdown()
+    took = time.monotonic() - started
+    assert took < 17.0, f"shutdown took {took:.1f} s: a stopped unit was waited for twice (10 s each)"
+
+    def running(pid: int) -> bool:  # a zombie (exited, not yet reaped by its raylet) is not
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 30  # ray.kill returns before the processes have exited
+    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"queue actors outlived shutdown: {alive}"

@@ -217,13 +217,18 @@ class RayQueue:
     def shutdown(self) -> None:
         """Kill the queue's actors (controllers first); the data is gone. Works on a queue one of
         whose actors died (the run's error names it): the dead are skipped, the others killed
-        (controllers die with the unit that created them)."""
+        (controllers die with the unit that created them). A unit 0 that does not answer (stopped
+        or hung) is waited for once, at most 10 s, not again to close its transport."""
+        units = self.units
         try:  # a stopped unit 0 never answers: its controllers die with it when it is killed
             controllers = list(ray.get(self.units[0].controllers.remote(), timeout=10.0).values())
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except ray.exceptions.RayActorError:
             controllers = []
-        closing = [h.close_transport.remote() for h in controllers] + [u.close_transport.remote() for u in self.units]
-        ray.wait(closing, num_returns=len(closing), timeout=10.0)  # a dead one's error is not this call's
+        except ray.exceptions.GetTimeoutError:  # and it is not waited for a second time below
+            controllers, units = [], self.units[1:]
+        closing = [h.close_transport.remote() for h in controllers] + [u.close_transport.remote() for u in units]
+        if closing:  # a dead one's error is not this call's
+            ray.wait(closing, num_returns=len(closing), timeout=10.0)
         for handle in [*controllers, *self.units]:
             ray.kill(handle)
 
