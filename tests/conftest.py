@@ -8,6 +8,13 @@ from pathlib import Path
 # bit-for-bit sync-vs-async tests rely on; and tests never oversubscribe the 2 cores.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM on CPU ("auto") binds its one compute thread to core 0 in every process that starts an
+# engine: two pytest-xdist workers' engines (`make vllm-test`) would share that core while the
+# other waits. Each worker's engines get a core of their own instead (inherited by the engine
+# processes and by this worker's Ray actors).
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    worker = int(os.environ["PYTEST_XDIST_WORKER"][2:])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(worker % (os.cpu_count() or 1)))
 
 import pytest
 import torch

@@ -33,6 +33,8 @@ from vllm_support import files, generate_all, ids, recomputed, request
 
 loop, model_dir, temp_root = vllm_support.loop, vllm_support.model_dir, vllm_support.temp_root  # module fixtures
 
+pytestmark = pytest.mark.xdist_group("vllm_engine")  # `make vllm-test`'s loadgroup: one worker, one engine
+
 PROMPTS = ("12345|", "907|", "4|", "31415926|")
 
 
