@@ -11,24 +11,51 @@ from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
 from sluice.sim.simulate import SimConfig
 
-RULE = RebalanceRule(min_replicas=1, max_replicas=4, margin=0.1)
+RULE = RebalanceRule(min_replicas=1, max_replicas=4)
 
 
 @pytest.mark.parametrize(
     ("step_s", "generation_s", "train_s", "replicas", "change"),
     [
-        (10.0, 10.0, 4.0, 2, 1),  # 10 * 2/3 = 6.7 > 4.4: one more still leaves generation behind
-        (10.0, 10.0, 7.0, 2, 0),  # one more would overshoot: 6.7 < 7.7
+        # with one more: max(10 * 2/3, 4) = 6.7, a cut of 33 % >= half a share (1/6): add
+        (10.0, 10.0, 4.0, 2, 1),
+        # with one more: max(6.7, 8.5) = 8.5, a cut of 15 % < 1/6: too little for a replica
+        (10.0, 10.0, 8.5, 2, 0),
+        # ... but 8.0 leaves a cut of 20 %: add
+        (10.0, 10.0, 8.0, 2, 1),
         (10.0, 10.0, 4.0, 4, 0),  # at the maximum
-        (4.2, 10.0, 4.0, 2, 0),  # the step did not wait for generation (it overlapped training)
-        (8.0, 2.0, 8.0, 2, -1),  # 2 * 2/1 = 4 < 7.2: one fewer still keeps up
-        (8.0, 5.0, 8.0, 2, 0),  # one fewer would lag: 10 > 7.2
+        # the step overlapped training (4.2 s): one more predicts max(4.2 - 3.3, 4) = 4.0, a cut of 5 %
+        (4.2, 10.0, 4.0, 2, 0),
+        (8.0, 2.0, 8.0, 2, -1),  # one fewer: max(2 * 2/1, 8) = 8, the step stays 8: remove
+        (8.0, 5.0, 8.0, 2, 0),  # one fewer: 10 > 8, the step would grow
         (8.0, 2.0, 8.0, 1, 0),  # at the minimum
-        (12.0, 2.0, 8.0, 2, 0),  # the step waited for something else (a long-tail response)
+        # a long-tail response sets the step (12 s); generation is short: the model predicts the
+        # tail stays, one fewer keeps 12 s: remove; one more buys nothing
+        (12.0, 2.0, 8.0, 2, -1),
+        # a long tail beside lagging generation: one more cuts the work part, 3.3 s of 14 s >= 1/6
+        (14.0, 10.0, 4.0, 2, 1),
     ],
 )
 def test_decide(step_s, generation_s, train_s, replicas, change):
     assert decide(step_s, generation_s, train_s, replicas, RULE) == change
+
+
+def test_decide_in_sync_adds_generation_and_training():
+    """Without overlap a step generates then trains: the same times say add (generation's cut
+    counts in full) where the overlapped model says the trainer sets the step."""
+    sync = RebalanceRule(max_replicas=4, overlapped=False)
+    assert decide(15.0, 8.0, 7.0, 2, sync) == 1  # 8 + 7 -> 5.3 + 7: a cut of 18 % >= 1/6
+    assert decide(15.0, 8.0, 7.0, 2, RULE) == 0  # max(8, 7) -> max(5.3, 7): 1 s of 15, 7 %
+
+
+def test_the_planner_bound_and_the_rule_share_one_step_model():
+    from sluice.schedule.step_model import predicted_step_s, step_time_s
+
+    assert step_time_s(6.0, 7.0, 3.0, overlapped=True) == 7.0
+    assert step_time_s(6.0, 7.0, 3.0, overlapped=False) == 13.0
+    assert step_time_s(2.0, 7.0, 3.0, overlapped=False) == 10.0  # the tail, then training
+    assert predicted_step_s(10.0, 10.0, 4.0, 2, 4, overlapped=True) == 5.0  # 10 - (10 - 5)
+    assert predicted_step_s(12.0, 2.0, 8.0, 2, 1, overlapped=True) == 12.0  # the tail stays
 
 
 def test_bad_rebalance_config_is_refused():
@@ -65,11 +92,11 @@ def test_rebalancer_adds_replicas_after_a_length_shift_and_the_step_recovers():
 def test_rebalancer_waits_out_its_cooldown_and_stops_adding_when_it_does_not_pay():
     rebalancer = Rebalancer(RebalanceRule(window=1, cooldown=1))
     steps = [  # (step_s, generation_s, train_s) and the replicas that ran the step
-        (10.0, 10.0, 4.0, 2),  # generation lags: add
+        (10.0, 10.0, 4.0, 2),  # generation lags: add (predicted 6.7 s)
         (10.0, 9.0, 4.0, 3),  # cooldown
         (10.0, 9.0, 4.0, 3),  # the add did not shorten the step: adding stops at this load
-        (10.0, 9.0, 4.0, 3),  # so no more adds
-        (20.0, 18.0, 4.0, 3),  # lengths grew: adding resumes
+        (10.0, 9.0, 4.0, 3),  # so no more adds (the model alone would add: 7.75 s predicted)
+        (20.0, 18.0, 4.0, 3),  # generation grew by more than a replica's share (> 12): adding resumes
         (4.0, 1.0, 8.0, 4),  # cooldown
         (8.0, 1.0, 8.0, 4),  # training lags: remove
     ]
@@ -81,8 +108,10 @@ def test_rebalancer_waits_out_its_cooldown_and_stops_adding_when_it_does_not_pay
 
 def test_rebalancer_averages_its_window():
     rebalancer = Rebalancer(RebalanceRule(window=2, cooldown=2))
-    assert rebalancer.observe(1, 4.0, 1.0, 4.0, 2) == 0  # alone this step would remove one (2 < 3.6) ...
-    assert rebalancer.observe(2, 20.0, 19.0, 4.0, 2) == 1  # ... but the window's mean (12, 10, 4) lags: add
+    assert decide(4.0, 1.0, 4.0, 2, RULE) == -1  # alone this step would remove one ...
+    assert rebalancer.observe(1, 4.0, 1.0, 4.0, 2) == 0  # ... but the rule waits for a full window
+    assert rebalancer.observe(2, 20.0, 19.0, 4.0, 2) == 1  # whose mean (12, 10, 4) lags: add
+    assert rebalancer.events[0].predicted_s == pytest.approx(12.0 - (10.0 - 20.0 / 3))
 
 
 @pytest.mark.parametrize(
@@ -109,7 +138,15 @@ def test_a_runs_rule_comes_from_its_config():
     from sluice.config import load_config
     from sluice.controller.rebalancing import rebalance_rule
 
-    config = load_config(None, ["fleet.rebalance=true", "resources.rollout.replicas=2", "fleet.rebalance_margin=0.2"])
-    assert rebalance_rule(config) == RebalanceRule(min_replicas=1, max_replicas=2, margin=0.2, window=2, cooldown=2)
-    config = load_config(None, ["resources.rollout.max_replicas=4", "resources.rollout.min_replicas=1"])
-    assert rebalance_rule(config).max_replicas == 4
+    config = load_config(None, ["fleet.rebalance=true", "resources.rollout.replicas=2", "fleet.rebalance_cooldown=3"])
+    assert rebalance_rule(config) == RebalanceRule(min_replicas=1, max_replicas=2, window=2, cooldown=3)
+    config = load_config(None, ["resources.rollout.max_replicas=4", "run.mode=sync"])
+    assert rebalance_rule(config).max_replicas == 4 and not rebalance_rule(config).overlapped
+
+
+def test_the_removed_margin_key_is_refused_with_why():
+    from sluice.config import ConfigError, load_config
+
+    removed = r"fleet\.rebalance_margin: unknown key \(fleet\.rebalance_margin was removed"
+    with pytest.raises(ConfigError, match=removed):
+        load_config(None, ["fleet.rebalance=true", "fleet.rebalance_margin=0.2"])

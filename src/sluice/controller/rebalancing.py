@@ -29,14 +29,15 @@ class Resizable(Protocol):
 
 
 def rebalance_rule(config: SluiceConfig) -> RebalanceRule:
-    """The rule ``fleet.rebalance_*`` and ``resources.rollout.{min,max}_replicas`` describe."""
+    """The rule ``fleet.rebalance_*``, ``resources.rollout.{min,max}_replicas`` and ``run.mode``
+    (whether generation overlaps training, for the step model) describe."""
     fleet, rollout = config.fleet, config.resources.rollout
     return RebalanceRule(
         min_replicas=rollout.min_replicas,
         max_replicas=rollout.max_replicas or rollout.replicas,
-        margin=fleet.rebalance_margin,
         window=fleet.rebalance_window,
         cooldown=fleet.rebalance_cooldown,
+        overlapped=config.run.mode == "async",
     )
 
 
