@@ -56,7 +56,7 @@ class FleetConfig(_Section):
     replica), the trainer's compute time and the step's time, averaged over ``rebalance_window``
     steps, go into ``sluice plan``'s step model, which predicts the step with one replica more and
     one fewer: a replica is added (up to ``resources.rollout.max_replicas``) when it is predicted to
-    cut the step by at least half its share (1 / (replicas + 1)), removed (down to
+    cut the step by at least a quarter of its share (1 / (replicas + 1)), removed (down to
     ``resources.rollout.min_replicas``) when one fewer is predicted to leave the step as it is (the
     trainer waits for nothing). A removed replica's requests continue on another from their partial
     responses (nothing regenerated, nothing lost); an added one loads the newest weights first. Each

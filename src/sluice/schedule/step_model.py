@@ -27,13 +27,29 @@ def generation_with(generation_s: float, replicas: int, new_replicas: int) -> fl
     return generation_s * replicas / new_replicas
 
 
+def generation_span_s(step_s: float, generation_s: float, train_s: float, *, overlapped: bool) -> float:
+    """How long generation took to deliver a measured step's batch: overlapped, the whole step
+    when it outlasted training (the trainer waited: generation set it), else the replicas' busy
+    time; in sequence, the part of the step that was not training (at least the busy time)."""
+    if overlapped:
+        return max(generation_s, step_s) if step_s > train_s else generation_s
+    return max(generation_s, step_s - train_s)
+
+
 def predicted_step_s(
     step_s: float, generation_s: float, train_s: float, replicas: int, new_replicas: int, *, overlapped: bool
 ) -> float:
-    """The step time the model predicts with ``new_replicas`` replicas, from a step measured with
-    ``replicas``: the measured step moved by the model's difference between the two counts (the
-    part of the step the model does not explain, a tail or a reward wait, stays), never below
-    the training time."""
+    """The step time the model predicts with ``new_replicas`` replicas, from a step of ``step_s``
+    measured with ``replicas`` whose replicas were busy ``generation_s`` each and whose trainer
+    computed ``train_s``. More replicas: generation's span (``generation_span_s``, a tail
+    included) spreads over them, never lengthening the step. Fewer: the replicas' busy work
+    spreads over fewer and the part of the step the model does not explain (a tail, a reward's
+    wait) stays."""
+    if new_replicas > replicas:
+        span = generation_with(
+            generation_span_s(step_s, generation_s, train_s, overlapped=overlapped), replicas, new_replicas
+        )
+        return min(step_time_s(span, train_s, overlapped=overlapped), step_s)
     now = step_time_s(generation_s, train_s, overlapped=overlapped)
     then = step_time_s(generation_with(generation_s, replicas, new_replicas), train_s, overlapped=overlapped)
     return max(step_s + then - now, train_s)
