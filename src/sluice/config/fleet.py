@@ -26,10 +26,11 @@ class FleetConfig(_Section):
     """``lpt``: what predicts response lengths. ``ridge`` (an online ridge regression on hashed
     prompt tokens and token pairs: microseconds per observation) or ``model`` (StreamRL's learned
     ranker: a tiny causal sequence model, a GRU over the prompt's tokens with a regression head,
-    trained every 64 finished samples on the run's latest 4,096; about 12 ms of the rollout
-    worker's CPU per finished sample). Use ``model`` when lengths follow rules over where tokens
-    sit in the prompt (an instruction at its end, a count of sub-questions): on such a workload it
-    found 84 % of the longest 20 % against the ridge's 33 % (docs/rollout.md)."""
+    trained every 64 finished samples on the run's latest 4,096, on a thread beside the rollout
+    worker's loop; about 12 ms of CPU per finished sample). Use ``model`` when lengths follow
+    rules over where tokens sit in the prompt (an instruction at its end, a count of
+    sub-questions): on such a workload it found 84 % of the longest 20 % against the ridge's 33 %
+    (docs/rollout.md)."""
 
     long_tail_replicas: int = Field(default=0, ge=0)
     """Skewness-aware dispatch (StreamRL): replicas dedicated to the requests the length ranker
