@@ -44,6 +44,7 @@ from sluice.api import GenerationRequest, LengthPredictor, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.rollout.length_ranker import lpt_order, top_share_recall
+from sluice.rollout.model_ranker import SequenceLengthRanker
 from sluice.rollout.single_turn import sample_seed
 from sluice.rollout.skew_dispatch import (
     DispatchPlan,
@@ -102,7 +103,12 @@ def _sample_lengths(args: argparse.Namespace) -> dict:
     }
 
 
-RANKERS = LENGTH_RANKERS
+RANKERS = {
+    **LENGTH_RANKERS,
+    # the offline replay trains every burst in line (a run trains on a thread beside its loop and
+    # skips a burst due while one runs; here every burst is counted and timed)
+    "model": lambda: SequenceLengthRanker(background=False),
+}
 NAMES = {"ridge": "OnlineLengthRanker (ridge)", "model": "SequenceLengthRanker (GRU)"}
 
 

@@ -1,11 +1,13 @@
-"""Dynamic rebalancing on simulated replicas: response lengths grow 4x mid-run; a fixed fleet of
-2 replicas vs sluice's ``Rebalancer`` (the rule of ``fleet.rebalance``) adding replicas through
-the real ``LLMProxy``.
+"""Dynamic rebalancing on simulated replicas: response lengths grow 4x mid-run; sluice's
+``Rebalancer`` (the rule of ``fleet.rebalance``, starting from 2 replicas) adding and removing
+replicas through the real ``LLMProxy``, against every fixed replica count the rule may choose
+(1 to its ``max_replicas``, the fixed splits a planner would consider) under the same shift.
 
 Every row drives sluice's ``Controller``, ledger, ``LLMProxy`` and ``GroupRunner`` over
 ``SimEngine`` replicas on the virtual clock (``harness/rebalance_run.py``), so the numbers are exact
-simulated seconds. Prints per-phase mean step times, writes JSON and a PNG of step time and
-replica count against the step.
+simulated seconds. Prints per-phase mean step times, the mean replicas held, the best fixed count
+per phase and the rebalanced run's distance from it; writes JSON and a PNG of step time and
+replica count against the step (fixed 2 replicas and the rebalancer).
 
     .venv/bin/python benchmarks/rebalance.py [--steps 30] [--shift-at 10]
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from harness.rebalance_run import RebalanceRun, run_with_shift
@@ -37,16 +39,27 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+PHASES = ("whole_run_s", "before_shift_s", "after_shift_s", "last_steps_s")
+
+
 def phases(run: RebalanceRun, shift_at: int) -> dict[str, float]:
     rows = run.rows
     tail = max(len(rows) - shift_at, 1) // 2
     return {
+        "whole_run_s": _mean([r.step_s for r in rows[1:]]),  # the first step is start-up
+        "mean_replicas": _mean([r.replicas for r in rows]),
         "before_shift_s": _mean([r.step_s for r in rows[1:shift_at]]),
         "after_shift_s": _mean([r.step_s for r in rows[shift_at:]]),
         "last_steps_s": _mean([r.step_s for r in rows[-tail:]]),
         "last_train_s": _mean([r.train_s for r in rows[-tail:]]),
         "final_replicas": float(rows[-1].replicas),
     }
+
+
+def best_fixed(results: dict[str, dict[str, float]]) -> dict[str, tuple[str, float]]:
+    """Per phase, the fixed replica count with the shortest mean step, and that step."""
+    fixed = {name: p for name, p in results.items() if name.startswith("fixed")}
+    return {phase: min(((n, p[phase]) for n, p in fixed.items()), key=lambda np: np[1]) for phase in PHASES}
 
 
 def plot(runs: dict[str, RebalanceRun], shift_at: int, path: Path) -> Path:
@@ -89,27 +102,39 @@ def main() -> None:
     args = parser.parse_args()
     config = SimConfig(ENGINE, TRAINER, replicas=2, prompts_per_step=16, group_size=8, max_new_tokens=2000,
                        prompt_len=16, steps=args.steps, eta=1)  # fmt: skip
+    rule = RebalanceRule()
     runs = {
-        "fixed 2 replicas": run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=None),
-        "rebalancer": run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=RebalanceRule()),
-    }
-    print(f"{'variant':<18} {'before s':>9} {'after s':>8} {'last s':>7} {'trainer s':>9} {'replicas':>8}")
+        f"fixed {r} replicas": run_with_shift(replace(config, replicas=r), shift_at=args.shift_at, lengths=LONGER,
+                                              rebalance=None)
+        for r in range(rule.min_replicas, rule.max_replicas + 1)
+    }  # fmt: skip
+    runs["rebalancer"] = run_with_shift(config, shift_at=args.shift_at, lengths=LONGER, rebalance=rule)
+    print(f"{'variant':<18} {'whole s':>8} {'before s':>9} {'after s':>8} {'last s':>7} {'trainer s':>9} "
+          f"{'mean replicas':>13} {'at end':>6}")  # fmt: skip
     results = {}
     for name, run in runs.items():
         p = results[name] = phases(run, args.shift_at)
         print(
-            f"{name:<18} {p['before_shift_s']:>9.2f} {p['after_shift_s']:>8.2f} {p['last_steps_s']:>7.2f} "
-            f"{p['last_train_s']:>9.2f} {p['final_replicas']:>8.0f}"
+            f"{name:<18} {p['whole_run_s']:>8.2f} {p['before_shift_s']:>9.2f} {p['after_shift_s']:>8.2f} "
+            f"{p['last_steps_s']:>7.2f} {p['last_train_s']:>9.2f} {p['mean_replicas']:>13.2f} "
+            f"{p['final_replicas']:>6.0f}"
         )
+    best = best_fixed(results)
+    for phase, (name, seconds) in best.items():
+        ratio = results["rebalancer"][phase] / seconds
+        print(f"  {phase}: best fixed {name} {seconds:.2f} s; rebalancer {ratio:.3f}x ({(ratio - 1) * 100:+.1f} %)")
     for event in runs["rebalancer"].events:
-        print(f"  step {event.step}: {event.change:+d} -> {event.replicas} replicas "
-              f"(generation {event.generation_s:.1f} s vs training {event.train_s:.1f} s)")  # fmt: skip
+        print(f"  step {event.step}: {event.change:+d} -> {event.replicas} replicas (step {event.step_s:.1f} s, "
+              f"generation {event.generation_s:.1f} s vs training {event.train_s:.1f} s, "
+              f"predicted {event.predicted_s:.1f} s)")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = {name: [asdict(r) for r in run.rows] for name, run in runs.items()}
     events = [asdict(e) for e in runs["rebalancer"].events]
-    out.write_text(json.dumps({"args": vars(args), "phases": results, "rows": rows, "events": events}, indent=2))
-    print(f"wrote {out} and {plot(runs, args.shift_at, Path(args.png))}")
+    summary = {"args": vars(args), "phases": results, "best_fixed": best, "rows": rows, "events": events}
+    out.write_text(json.dumps(summary, indent=2))
+    shown = {name: runs[name] for name in ("fixed 2 replicas", "rebalancer")}
+    print(f"wrote {out} and {plot(shown, args.shift_at, Path(args.png))}")
 
 
 if __name__ == "__main__":

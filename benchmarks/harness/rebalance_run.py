@@ -58,7 +58,7 @@ def run_with_shift(
             pipeline.engine_config = replace(pipeline.engine_config, lengths=lengths)
             for engine in pipeline.traced:
                 engine.config = pipeline.engine_config
-        if rebalance is not None:
+        if rebalance is not None and version > 1:  # as in a run, the first step (start-up) is not judged
             rebalancer = holder.setdefault("r", Rebalancer(rebalance))
             change = rebalancer.observe(version, row.step_s, generation, train, replicas)
             if change > 0:

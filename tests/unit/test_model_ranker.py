@@ -24,7 +24,7 @@ def _workload(count: int, seed: int) -> list[tuple[tuple[int, ...], int]]:
 
 def test_the_model_ranker_learns_a_rule_the_ridge_ranker_cannot_see():
     train, held_out = _workload(768, seed=1), _workload(300, seed=2)
-    model, ridge = SequenceLengthRanker(train_every=128, steps=25), OnlineLengthRanker()
+    model, ridge = SequenceLengthRanker(train_every=128, steps=25, background=False), OnlineLengthRanker()
     assert model.predict([p for p, _ in held_out[:3]]) == [0.0] * 3  # untrained: no ranking yet
     for prompt, length in train:
         model.observe(prompt, length)
@@ -42,3 +42,39 @@ def test_bad_model_ranker_arguments_are_refused():
         SequenceLengthRanker(hidden=0)
     with pytest.raises(ValueError, match="negative"):
         SequenceLengthRanker().observe([1, 2], -1)
+
+
+def test_a_run_trains_the_model_ranker_beside_the_loop_and_swaps_it_in_whole(monkeypatch):
+    """A burst runs on the ranker's own thread while ``observe`` returns; predictions keep the
+    old network until the burst swaps its trained copy in; a burst due while one runs is skipped
+    and counted; a burst's error reaches the caller."""
+    import threading
+
+    model = SequenceLengthRanker(train_every=32, steps=5)
+    release, threads = threading.Event(), []
+    train = model._train
+
+    def held(pairs):
+        threads.append(threading.current_thread().name)
+        release.wait(30)
+        train(pairs)
+
+    monkeypatch.setattr(model, "_train", held)
+    rows = _workload(64, seed=3)
+    before = model.net
+    for prompt, length in rows:  # the first burst is due at 32 and held; the one due at 64 is skipped
+        model.observe(prompt, length)
+    assert model.net is before and model.trained_steps == 0 and model.skipped_bursts == 1
+    release.set()
+    model.wait()
+    assert threads == ["length-ranker_0"] and model.trained_steps == 5 and model.net is not before
+    assert len(set(model.predict([p for p, _ in rows[:8]]))) > 1  # the trained network ranks
+
+    def broken(pairs):
+        raise RuntimeError("burst failed")
+
+    monkeypatch.setattr(model, "_train", broken)
+    for prompt, length in rows[:32]:
+        model.observe(prompt, length)
+    with pytest.raises(RuntimeError, match="burst failed"):
+        model.wait()

@@ -68,6 +68,32 @@ def test_a_written_plan_is_config_that_train_takes(model, tmp_path, capsys):
         assert cfg.resources.rollout.gpus == per_replica and cfg.resources.placement == "disaggregated"
         assert cfg.vllm.tensor_parallel_size == per_replica and cfg.queue.storage_units == 1  # 8 devices: a node
     assert yaml.safe_load(out.read_text())["rollout"]["max_staleness"] == 1
+    # rebalancing within the rollout's devices, decisions over 2 steps, η + 1 = 2 steps between changes
+    assert cfg.fleet.rebalance == (replicas > 1)
+    if replicas > 1:
+        assert (cfg.resources.rollout.min_replicas, cfg.resources.rollout.max_replicas) == (1, replicas)
+        assert (cfg.fleet.rebalance_window, cfg.fleet.rebalance_cooldown) == (2, 2)
+
+
+@pytest.mark.parametrize(("mode", "eta", "window", "cooldown"), [("async", 2, 2, 3), ("sync", 0, 1, 1)])
+def test_a_plan_of_several_replicas_writes_the_rebalancing_keys(mode, eta, window, cooldown, tmp_path):
+    """A split of 4 one-device replicas: the run may shed replicas down to 1 and take them back
+    up to the 4 devices (``fleet.rebalance``), decided over ``window`` steps, ``cooldown`` = η + 1
+    apart; the keys load as a run's config."""
+    import yaml
+
+    from sluice.config import load_config
+    from sluice.sim.planner import Candidate, run_keys
+
+    workload = replace(WORKLOAD, mode=mode, eta=eta)
+    for device in ("H100", "cpu"):
+        out = tmp_path / f"{device}.yaml"
+        out.write_text(yaml.safe_dump(run_keys(workload, replace(CLUSTER, rollout_device=DEVICES[device]),
+                                               Candidate(4, 1, 1, 2048))))  # fmt: skip
+        cfg = load_config([out], [])
+        assert cfg.fleet.rebalance and cfg.resources.rollout.replicas == 4
+        assert (cfg.resources.rollout.min_replicas, cfg.resources.rollout.max_replicas) == (1, 4)
+        assert (cfg.fleet.rebalance_window, cfg.fleet.rebalance_cooldown) == (window, cooldown)
 
 
 def test_config_files_merge_section_by_section_in_order(tmp_path):

@@ -11,24 +11,60 @@ from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
 from sluice.sim.simulate import SimConfig
 
-RULE = RebalanceRule(min_replicas=1, max_replicas=4, margin=0.1)
+RULE = RebalanceRule(min_replicas=1, max_replicas=4)
 
 
 @pytest.mark.parametrize(
     ("step_s", "generation_s", "train_s", "replicas", "change"),
     [
-        (10.0, 10.0, 4.0, 2, 1),  # 10 * 2/3 = 6.7 > 4.4: one more still leaves generation behind
-        (10.0, 10.0, 7.0, 2, 0),  # one more would overshoot: 6.7 < 7.7
+        # the step waited for generation (10 s > 4 s of training): its 10 s spread over one more
+        # replica give max(10 * 2/3, 4) = 6.7 s, a cut of 33 % >= a quarter share (1/12): add
+        (10.0, 10.0, 4.0, 2, 1),
+        # with one more: max(6.7, 9.5) = 9.5, a cut of 5 % < 1/12: too little for a replica
+        (10.0, 10.0, 9.5, 2, 0),
+        # ... but 9.0 leaves a cut of 10 %: add
+        (10.0, 10.0, 9.0, 2, 1),
         (10.0, 10.0, 4.0, 4, 0),  # at the maximum
-        (4.2, 10.0, 4.0, 2, 0),  # the step did not wait for generation (it overlapped training)
-        (8.0, 2.0, 8.0, 2, -1),  # 2 * 2/1 = 4 < 7.2: one fewer still keeps up
-        (8.0, 5.0, 8.0, 2, 0),  # one fewer would lag: 10 > 7.2
+        # the step hardly waited (4.2 s vs 4 s of training): one more predicts 4 s, a cut of 5 %
+        (4.2, 4.0, 4.0, 2, 0),
+        (8.0, 2.0, 8.0, 2, -1),  # one fewer: max(2 * 2/1, 8) = 8, the step stays 8: remove
+        (8.0, 5.0, 8.0, 2, 0),  # one fewer: 10 > 8, the step would grow
         (8.0, 2.0, 8.0, 1, 0),  # at the minimum
-        (12.0, 2.0, 8.0, 2, 0),  # the step waited for something else (a long-tail response)
+        # the step waited (12 s) with the replicas busy 2 s: the wait counts as generation's
+        # (a tail included), so one more is predicted to cut it to 8 s; whether it did is judged
+        # after the cooldown (test_rebalancer_waits_out_its_cooldown_and_stops_adding...)
+        (12.0, 2.0, 8.0, 2, 1),
+        # the same wait with the replicas at the maximum: one fewer adds no work beyond training
+        # (max(2.7, 8)), the rest of the step stays: remove
+        (12.0, 2.0, 8.0, 4, -1),
     ],
 )
 def test_decide(step_s, generation_s, train_s, replicas, change):
     assert decide(step_s, generation_s, train_s, replicas, RULE) == change
+
+
+def test_decide_in_sync_adds_generation_and_training():
+    """Without overlap a step generates then trains: one fewer replica lengthens it by the added
+    generation where the overlapped model hides that generation behind training."""
+    sync = RebalanceRule(max_replicas=4, overlapped=False)
+    assert decide(7.2, 3.0, 7.0, 2, RULE) == -1  # max(6, 7) = max(3, 7): the step stays
+    assert decide(7.2, 3.0, 7.0, 2, sync) == 0  # 3 + 7 -> 6 + 7: 3 s longer
+    assert decide(10.0, 3.0, 7.0, 2, sync) == 1  # 3 + 7 -> 2 + 7: a cut of 10 % >= 1/12
+
+
+def test_the_planner_bound_and_the_rule_share_one_step_model():
+    from sluice.schedule.step_model import generation_span_s, predicted_step_s, step_time_s
+
+    assert step_time_s(6.0, 7.0, 3.0, overlapped=True) == 7.0
+    assert step_time_s(6.0, 7.0, 3.0, overlapped=False) == 13.0
+    assert step_time_s(2.0, 7.0, 3.0, overlapped=False) == 10.0  # the tail, then training
+    assert generation_span_s(12.0, 2.0, 8.0, overlapped=True) == 12.0  # the trainer waited: generation set it
+    assert generation_span_s(8.0, 2.0, 8.0, overlapped=True) == 2.0  # it did not: the replicas' busy time
+    assert generation_span_s(12.0, 2.0, 8.0, overlapped=False) == 4.0  # in sequence: the step less training
+    assert predicted_step_s(10.0, 10.0, 4.0, 2, 4, overlapped=True) == 5.0  # 10 s over twice the replicas
+    assert predicted_step_s(12.0, 2.0, 8.0, 2, 3, overlapped=True) == 8.0  # training is the floor
+    assert predicted_step_s(12.0, 2.0, 8.0, 2, 1, overlapped=True) == 12.0  # fewer: the rest of the step stays
+    assert predicted_step_s(12.0, 5.0, 8.0, 2, 1, overlapped=True) == 14.0  # 5 s -> 10 s of work: +2 s
 
 
 def test_bad_rebalance_config_is_refused():
@@ -65,11 +101,11 @@ def test_rebalancer_adds_replicas_after_a_length_shift_and_the_step_recovers():
 def test_rebalancer_waits_out_its_cooldown_and_stops_adding_when_it_does_not_pay():
     rebalancer = Rebalancer(RebalanceRule(window=1, cooldown=1))
     steps = [  # (step_s, generation_s, train_s) and the replicas that ran the step
-        (10.0, 10.0, 4.0, 2),  # generation lags: add
+        (10.0, 10.0, 4.0, 2),  # generation lags: add (predicted 6.7 s)
         (10.0, 9.0, 4.0, 3),  # cooldown
-        (10.0, 9.0, 4.0, 3),  # the add did not shorten the step: adding stops at this load
-        (10.0, 9.0, 4.0, 3),  # so no more adds
-        (20.0, 18.0, 4.0, 3),  # lengths grew: adding resumes
+        (9.5, 9.0, 4.0, 3),  # the add cut the step by 5 % < 1/12, its threshold: adding stops at this load
+        (9.5, 9.0, 4.0, 3),  # so no more adds (the model alone would add: 7.1 s predicted)
+        (20.0, 18.0, 4.0, 3),  # generation grew by more than a replica's share (> 12): adding resumes
         (4.0, 1.0, 8.0, 4),  # cooldown
         (8.0, 1.0, 8.0, 4),  # training lags: remove
     ]
@@ -81,8 +117,10 @@ def test_rebalancer_waits_out_its_cooldown_and_stops_adding_when_it_does_not_pay
 
 def test_rebalancer_averages_its_window():
     rebalancer = Rebalancer(RebalanceRule(window=2, cooldown=2))
-    assert rebalancer.observe(1, 4.0, 1.0, 4.0, 2) == 0  # alone this step would remove one (2 < 3.6) ...
-    assert rebalancer.observe(2, 20.0, 19.0, 4.0, 2) == 1  # ... but the window's mean (12, 10, 4) lags: add
+    assert decide(4.0, 1.0, 4.0, 2, RULE) == -1  # alone this step would remove one ...
+    assert rebalancer.observe(1, 4.0, 1.0, 4.0, 2) == 0  # ... but the rule waits for a full window
+    assert rebalancer.observe(2, 20.0, 19.0, 4.0, 2) == 1  # whose mean (12, 10, 4) lags: add
+    assert rebalancer.events[0].predicted_s == 8.0  # the window's 12 s of generation over 3 replicas
 
 
 @pytest.mark.parametrize(
@@ -109,7 +147,15 @@ def test_a_runs_rule_comes_from_its_config():
     from sluice.config import load_config
     from sluice.controller.rebalancing import rebalance_rule
 
-    config = load_config(None, ["fleet.rebalance=true", "resources.rollout.replicas=2", "fleet.rebalance_margin=0.2"])
-    assert rebalance_rule(config) == RebalanceRule(min_replicas=1, max_replicas=2, margin=0.2, window=2, cooldown=2)
-    config = load_config(None, ["resources.rollout.max_replicas=4", "resources.rollout.min_replicas=1"])
-    assert rebalance_rule(config).max_replicas == 4
+    config = load_config(None, ["fleet.rebalance=true", "resources.rollout.replicas=2", "fleet.rebalance_cooldown=3"])
+    assert rebalance_rule(config) == RebalanceRule(min_replicas=1, max_replicas=2, window=2, cooldown=3)
+    config = load_config(None, ["resources.rollout.max_replicas=4", "run.mode=sync"])
+    assert rebalance_rule(config).max_replicas == 4 and not rebalance_rule(config).overlapped
+
+
+def test_the_removed_margin_key_is_refused_with_why():
+    from sluice.config import ConfigError, load_config
+
+    removed = r"fleet\.rebalance_margin: unknown key \(fleet\.rebalance_margin was removed"
+    with pytest.raises(ConfigError, match=removed):
+        load_config(None, ["fleet.rebalance=true", "fleet.rebalance_margin=0.2"])

@@ -26,10 +26,11 @@ class FleetConfig(_Section):
     """``lpt``: what predicts response lengths. ``ridge`` (an online ridge regression on hashed
     prompt tokens and token pairs: microseconds per observation) or ``model`` (StreamRL's learned
     ranker: a tiny causal sequence model, a GRU over the prompt's tokens with a regression head,
-    trained every 64 finished samples on the run's latest 4,096; about 12 ms of the rollout
-    worker's CPU per finished sample). Use ``model`` when lengths follow rules over where tokens
-    sit in the prompt (an instruction at its end, a count of sub-questions): on such a workload it
-    found 84 % of the longest 20 % against the ridge's 33 % (docs/rollout.md)."""
+    trained every 64 finished samples on the run's latest 4,096, on a thread beside the rollout
+    worker's loop; about 12 ms of CPU per finished sample). Use ``model`` when lengths follow
+    rules over where tokens sit in the prompt (an instruction at its end, a count of
+    sub-questions): on such a workload it found 84 % of the longest 20 % against the ridge's 33 %
+    (docs/rollout.md)."""
 
     long_tail_replicas: int = Field(default=0, ge=0)
     """Skewness-aware dispatch (StreamRL): replicas dedicated to the requests the length ranker
@@ -52,28 +53,28 @@ class FleetConfig(_Section):
     the natural choice."""
 
     rebalance: bool = False
-    """Dynamic rebalancing (StreamRL §4): after each step, compare the rollout replicas' busy
-    time (per replica) with the trainer's compute time and the time the step waited for
-    generation, averaged over ``rebalance_window`` steps; add a replica (up to
-    ``resources.rollout.max_replicas``) while generation is the bottleneck and one more replica
-    still leaves it behind, remove one (down to ``resources.rollout.min_replicas``) while the trainer
-    waits for nothing and one fewer would still keep up. A removed replica's requests continue on
-    another from their partial responses (nothing regenerated, nothing lost); an added one loads
-    the newest weights first. Each change is a ``rebalance`` record in ``metrics.jsonl`` with its
-    reason. Turn it on when response lengths drift during a run (generation grows or shrinks
-    relative to training) and there are devices or cores for more replicas. Single controller
-    (``run.controller: single``) only."""
-
-    rebalance_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
-    """``rebalance``: the relative dead band around balance (0.1: act only when generation and
-    training differ by more than 10 %), so measurement noise does not flip replicas."""
+    """Dynamic rebalancing (StreamRL §4): after each step, the replicas' measured busy time (per
+    replica), the trainer's compute time and the step's time, averaged over ``rebalance_window``
+    steps, go into ``sluice plan``'s step model, which predicts the step with one replica more and
+    one fewer: a replica is added (up to ``resources.rollout.max_replicas``) when it is predicted to
+    cut the step by at least a quarter of its share (1 / (replicas + 1)), removed (down to
+    ``resources.rollout.min_replicas``) when one fewer is predicted to leave the step as it is (the
+    trainer waits for nothing). A removed replica's requests continue on another from their partial
+    responses (nothing regenerated, nothing lost); an added one loads the newest weights first. Each
+    change is a ``rebalance`` record in ``metrics.jsonl`` with its reason and prediction, and the
+    count is checkpointed (a resume starts with it). Turn it on when response lengths drift during a
+    run (generation grows or shrinks relative to training) and there are devices or cores for more
+    replicas; ``sluice plan --out`` writes these keys. Single controller (``run.controller:
+    single``) only."""
 
     rebalance_window: int = Field(default=2, ge=1)
-    """``rebalance``: steps averaged per decision (an async step alternates long and short)."""
+    """``rebalance``: steps averaged per decision (an async step alternates long and short;
+    ``sluice plan`` writes 1 for ``run.mode: sync``)."""
 
     rebalance_cooldown: int = Field(default=2, ge=1)
     """``rebalance``: steps to let pass after a change before the next (at least
-    ``rebalance_window``, so the measurement reflects the change)."""
+    ``rebalance_window``, so the measurement reflects the change; ``sluice plan`` writes
+    η + 1, the steps within which groups admitted before the change are trained)."""
 
     weight_transfer: Literal["object_store", "broadcast"] = "object_store"
     """How a new policy version travels from trainer rank 0 to the rollout worker:

@@ -1,5 +1,6 @@
 """The names verl, TRL and OpenRLHF users type for sluice's options: an unknown key one of them
-uses is answered with the sluice key, and any other unknown key with the closest allowed names.
+uses is answered with the sluice key, a key sluice removed with why (``REMOVED_KEYS``), and any
+other unknown key with the closest allowed names.
 
 ``PEER_NAMES`` is the one table (the README's "Coming from verl or TRL" table is tested against
 it); ``suggest(key, allowed)`` is what ``loading.py`` appends to an unknown-key error. It does not
@@ -81,6 +82,15 @@ PEER_NAMES: dict[str, str] = {
 """Dotted key a peer framework uses → the sluice key (and how to convert, where it is not a rename)."""
 
 
+REMOVED_KEYS: dict[str, str] = {
+    "fleet.rebalance_margin": (
+        "removed: the rebalancing thresholds come from sluice plan's step model (docs/planner.md, "
+        "'Dynamic rebalancing'); delete the key"
+    ),
+}
+"""sluice keys that no longer exist → why, and what to do instead."""
+
+
 def flat_keys(prefix: str, value: object) -> list[str]:
     """The dotted keys under ``prefix`` of a nested mapping (``prefix`` itself for a leaf)."""
     if not isinstance(value, dict) or not value:
@@ -89,9 +99,12 @@ def flat_keys(prefix: str, value: object) -> list[str]:
 
 
 def suggest(key: str, value: object, allowed: Iterable[str]) -> str:
-    """What to write instead of the unknown ``key`` (holding ``value``): the sluice key a peer's
-    name maps to, else the closest of ``allowed`` (the names of its section), else nothing."""
+    """What to write instead of the unknown ``key`` (holding ``value``): why a removed key went,
+    else the sluice key a peer's name maps to, else the closest of ``allowed`` (the names of its
+    section), else nothing."""
     for full in flat_keys(key, value):
+        if full in REMOVED_KEYS:
+            return f" ({full} was {REMOVED_KEYS[full]})"
         for peer in (full, *(full.rsplit(".", n)[0] for n in range(1, full.count(".") + 1))):
             if peer in PEER_NAMES:
                 return f" ({peer} is sluice's {PEER_NAMES[peer]})"

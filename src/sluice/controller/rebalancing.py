@@ -5,7 +5,9 @@ After a step it reads the step's measured times — the time in the trainer's ca
 from push admission — and the proxy's busy replica-seconds since the last step (``busy_s``, per
 replica: generation's time); ``schedule/rebalance.py``'s ``Rebalancer`` decides, the pipeline's
 ``resize_rollout`` adds or removes a replica, and each change is a ``rebalance`` record with its
-reason in ``metrics.jsonl``. The first step is not judged (it carries the run's start-up). It
+reason in ``metrics.jsonl``. The first step is not judged (it carries the run's start-up). The
+count after each decision goes into the run's checkpoints; ``restore_replicas`` brings a
+resumed run's rollout back to it. It
 decides nothing itself and moves no sample: the proxy continues a removed replica's requests
 elsewhere.
 """
@@ -29,14 +31,15 @@ class Resizable(Protocol):
 
 
 def rebalance_rule(config: SluiceConfig) -> RebalanceRule:
-    """The rule ``fleet.rebalance_*`` and ``resources.rollout.{min,max}_replicas`` describe."""
+    """The rule ``fleet.rebalance_*``, ``resources.rollout.{min,max}_replicas`` and ``run.mode``
+    (whether generation overlaps training, for the step model) describe."""
     fleet, rollout = config.fleet, config.resources.rollout
     return RebalanceRule(
         min_replicas=rollout.min_replicas,
         max_replicas=rollout.max_replicas or rollout.replicas,
-        margin=fleet.rebalance_margin,
         window=fleet.rebalance_window,
         cooldown=fleet.rebalance_cooldown,
+        overlapped=config.run.mode == "async",
     )
 
 
@@ -50,6 +53,8 @@ class RunRebalancer:
         self._busy_s: float | None = None
         self._logged = 0
         self._warm = False  # the first step carries the run's start-up (engines, reward pool)
+        self.replicas: int | None = None
+        """The replicas after the last step judged (the run checkpoints them)."""
 
     async def start(self) -> None:
         """Mark the proxy's busy time before the first step (evaluation is not generation)."""
@@ -60,15 +65,23 @@ class RunRebalancer:
         stats = await self.pipeline.engine_stats()
         busy, replicas = stats["proxy_busy_s"], int(stats["proxy_replicas"])
         generation_s = (busy - (self._busy_s or 0.0)) / max(replicas, 1)
-        self._busy_s = busy
+        self._busy_s, self.replicas = busy, replicas
         if not self._warm:
             self._warm = True
             return 0
         train_s, waited = metrics["step_train_s"], metrics["step_wait_generation_s"]
         change = self.rebalancer.observe(step, train_s + waited, generation_s, train_s, replicas)
         if change:
-            replicas = await self.pipeline.resize_rollout(change)
+            replicas = self.replicas = await self.pipeline.resize_rollout(change)
         for event in self.rebalancer.events[self._logged :]:
             self.metrics.log("rebalance", **{**asdict(event), "replicas": replicas if event.change else event.replicas})
         self._logged = len(self.rebalancer.events)
         return change
+
+
+async def restore_replicas(rule: RebalanceRule, pipeline: Resizable, replicas: int) -> int:
+    """A resumed run's rollout back at the ``replicas`` its checkpoint kept (within the rule's
+    bounds); returns the replicas now."""
+    now = int((await pipeline.engine_stats())["proxy_replicas"])
+    wanted = min(max(replicas, rule.min_replicas), rule.max_replicas)
+    return await pipeline.resize_rollout(wanted - now) if wanted != now else now

@@ -79,6 +79,9 @@ class DriverState:
     logs: dict[str, int]
     rng: dict[str, Any]
     cut: AsyncCut
+    rollout_replicas: int | None = None
+    """The rollout's replicas as ``fleet.rebalance`` left them (``None``: not rebalanced, or a
+    checkpoint from before the count was kept); a resume starts with them."""
 
 
 def open_checkpoints(config: SluiceConfig, run_dir: Path) -> tuple[CheckpointStore, Path | None, DriverState | None]:
@@ -192,4 +195,5 @@ def _driver_state(run: TrainingRun, version: int, cut: AsyncCut) -> DriverState:
         logs=log_sizes({name: run.run_dir / name for name in LOGS}),
         rng=capture_rng(),
         cut=cut,
+        rollout_replicas=run.rollout_replicas,
     )

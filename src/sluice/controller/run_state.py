@@ -56,6 +56,9 @@ class TrainingRun:
     """Every ``tracking.samples_every`` steps, a few of the step's trained samples as text."""
     trackers: Trackers = field(default_factory=Trackers)
     version: int = 0
+    rollout_replicas: int | None = None
+    """The rollout's replicas after the last rebalancing decision (``fleet.rebalance``; kept in
+    checkpoints), ``None`` while the config's count holds."""
     base_eval: EvalResult | None = None
     loop_seconds: float = 0.0
     """The training loop alone (what throughput is measured over)."""

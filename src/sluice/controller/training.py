@@ -22,7 +22,7 @@ from sluice.config import ConfigError, SluiceConfig
 from sluice.controller.loop import Admission, Controller, StepCallback
 from sluice.controller.multi import MultiRayPipeline, PullAdmission
 from sluice.controller.push import PushAdmission
-from sluice.controller.rebalancing import RunRebalancer, rebalance_rule
+from sluice.controller.rebalancing import RunRebalancer, rebalance_rule, restore_replicas
 from sluice.controller.resume import DriverState, restore_checkpoint, save_checkpoint
 from sluice.controller.run_state import TrainingRun
 from sluice.dag.loader import write_prompt_file
@@ -130,6 +130,7 @@ async def run_training(
             run.trained_ids_log.log("trained", step=version, ids=await pipeline.trained_ids())
             if rebalancer is not None:  # add or remove a rollout replica (fleet.rebalance)
                 await rebalancer.after_step(version, metrics)
+                run.rollout_replicas = rebalancer.replicas  # checkpointed: a resume starts with them
             if run.eval_due(version) and not stop.requested:
                 with watchdog.paused():
                     await _evaluate(run, pipeline, version)
@@ -186,7 +187,10 @@ async def _start(
     version, the queue's untrained rows) and the base evaluation it recorded."""
     if resumed is None:
         return await _evaluate(run, pipeline)
-    return await restore_checkpoint(run, pipeline, resumed)
+    base = await restore_checkpoint(run, pipeline, resumed)
+    if run.config.fleet.rebalance and resumed.rollout_replicas is not None:  # the count rebalancing left
+        run.rollout_replicas = await restore_replicas(rebalance_rule(run.config), pipeline, resumed.rollout_replicas)
+    return base
 
 
 def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any, Literal
 
+from sluice.schedule.step_model import step_time_s
 from sluice.sim.cost_model import CostModel, DeviceSpec, Efficiency, ModelShape, trainer_cost
 from sluice.sim.engine import LengthModel
 from sluice.sim.simulate import Mode, SimConfig, SimResult, simulate
@@ -151,21 +152,40 @@ def run_keys(workload: Workload, cluster: Cluster, cand: Candidate) -> dict[str,
         "trainer": trainer,
         "resources": {"placement": "disaggregated"},
     }
+    fleet, bounds = rebalance_keys(workload, cand)
+    if fleet:
+        keys["fleet"] = fleet
     if cluster.rollout_device.name == "cpu":
-        rollout_res: dict[str, Any] = {"replicas": cand.replicas, "threads": cand.replica_devices}
+        rollout_res: dict[str, Any] = {"replicas": cand.replicas, "threads": cand.replica_devices, **bounds}
         if cand.replicas > 1:
             rollout_res["replica_actors"] = True
         keys["resources"]["rollout"] = rollout_res
         keys["resources"]["trainer"] = {"ranks": cand.train_devices, "threads": 1}
         return keys
     keys["resources"]["rollout"] = {
-        "replicas": cand.replicas, "replica_actors": True, "gpus": float(cand.replica_devices),
+        "replicas": cand.replicas, "replica_actors": True, "gpus": float(cand.replica_devices), **bounds,
     }  # fmt: skip
     keys["resources"]["trainer"] = {"ranks": cand.train_devices, "gpus": 1.0}
     keys["queue"] = {"storage_units": math.ceil((cand.rollout_devices + cand.train_devices) / DEVICES_PER_NODE)}
     if cand.replica_devices > 1:
         keys["vllm"] = {"tensor_parallel_size": cand.replica_devices}
     return keys
+
+
+def rebalance_keys(workload: Workload, cand: Candidate) -> tuple[dict[str, Any], dict[str, int]]:
+    """``fleet.rebalance*`` and the replica bounds for ``cand``: the rollout's devices hold
+    ``cand.replicas`` at most, so the run starts there and the rule (which predicts with this
+    planner's step model) may shed replicas down to one while the trainer waits for nothing, and
+    take them back while generation lags. A step alternates long and short when generation
+    overlaps training, so decisions average 2 steps (1 in sync); after a change the rule waits
+    η + 1 steps, within which the groups admitted before it are trained. One replica: nothing
+    to rebalance, no keys."""
+    if cand.replicas == 1:
+        return {}, {}
+    staleness = {"sync": 0, "streaming": 0, "one_step": 1}.get(workload.mode, workload.eta)
+    window = 1 if workload.mode == "sync" else 2
+    fleet = {"rebalance": True, "rebalance_window": window, "rebalance_cooldown": max(window, staleness + 1)}
+    return fleet, {"min_replicas": 1, "max_replicas": cand.replicas}
 
 
 def sim_config(workload: Workload, cluster: Cluster, cand: Candidate, steps: int = 5) -> SimConfig:
@@ -192,7 +212,8 @@ def lower_bound_s(config: SimConfig) -> float:
     """A step cannot be shorter than its expected decode work spread over the replicas at the
     cheapest batch per token, nor than the trainer's work (both, in sequence, when in sync);
     nor than 1 / (η + 1) of the time one decode iteration after another takes to reach a
-    typical longest response of the batch (a group must be trained within η + 1 steps)."""
+    typical longest response of the batch (a group must be trained within η + 1 steps). The
+    combination is ``schedule/step_model.py``'s, the model the run's rebalancing rule predicts with."""
     lengths, engine, trainer = config.engine.lengths, config.engine, config.trainer
     sigma = math.hypot(lengths.prompt_sigma, lengths.sample_sigma)
     mean_len = min(lengths.median * math.exp(0.5 * sigma**2), config.max_new_tokens)
@@ -206,8 +227,8 @@ def lower_bound_s(config: SimConfig) -> float:
     z = NormalDist().inv_cdf(1.0 - 1.0 / (config.prompts_per_step + 1))
     longest = min(lengths.median * math.exp(sigma * z), config.max_new_tokens) * engine.decode_s
     if config.mode == "sync":
-        return BOUND_SLACK * max(generate + train, longest + train)
-    return BOUND_SLACK * max(generate, train, longest / (config.staleness + 1))
+        return BOUND_SLACK * step_time_s(generate, train, longest, overlapped=False)
+    return BOUND_SLACK * step_time_s(generate, train, longest / (config.staleness + 1), overlapped=True)
 
 
 def cost_per_hour(cluster: Cluster, cand: Candidate) -> float:
