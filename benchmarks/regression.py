@@ -38,7 +38,8 @@ REFERENCE = "e2c61bb"
 
 def bench_once(src: Path, out: Path, overrides: list[str], variant: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(src)}  # the tree's sources before the editable install
-    cmd = [str(SLUICE), "bench", "e2e", *overrides, "--variants", variant, "--out", str(out)]
+    runs = f"run.output_dir={out.with_suffix('')}"  # a run folder of its own: never an earlier run's checkpoints
+    cmd = [str(SLUICE), "bench", "e2e", *overrides, runs, "--variants", variant, "--out", str(out)]
     subprocess.run(cmd, cwd=src.parent, env=env, check=True, stdout=subprocess.DEVNULL)
     row = json.loads(out.read_text())["rows"][0]
     steps = int(next((o.split("=", 1)[1] for o in overrides if o.startswith("run.steps=")), 30))
