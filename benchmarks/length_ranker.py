@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness.skew_plan import DispatchPlan, StepTime, knee_step_time, replica_makespan, skewness_aware_dispatch
 
 from sluice.api import GenerationRequest, LengthPredictor, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
@@ -46,13 +47,6 @@ from sluice.engines.hf_model import load_causal_lm, load_tokenizer
 from sluice.rollout.length_ranker import lpt_order, top_share_recall
 from sluice.rollout.model_ranker import SequenceLengthRanker
 from sluice.rollout.single_turn import sample_seed
-from sluice.rollout.skew_dispatch import (
-    DispatchPlan,
-    StepTime,
-    knee_step_time,
-    replica_makespan,
-    skewness_aware_dispatch,
-)
 from sluice.rollout.worker import LENGTH_RANKERS
 from sluice.tasks import TASKS
 from sluice.tasks.base_model import ensure_base_model
