@@ -61,9 +61,9 @@ def run_with_shift(
         if rebalance is not None and version > 1:  # as in a run, the first step (start-up) is not judged
             rebalancer = holder.setdefault("r", Rebalancer(rebalance))
             change = rebalancer.observe(version, row.step_s, generation, train, replicas)
-            if change > 0:
+            for _ in range(change):
                 await pipeline.proxy.add_replica(pipeline.new_engine())
-            elif change < 0:
+            if change < 0:
                 await pipeline.proxy.remove_replica(pipeline.proxy.replica_ids[-1])
 
     result = simulate(config, on_step)

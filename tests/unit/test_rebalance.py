@@ -18,8 +18,9 @@ RULE = RebalanceRule(min_replicas=1, max_replicas=4)
     ("step_s", "generation_s", "train_s", "replicas", "change"),
     [
         # the step waited for generation (10 s > 4 s of training): its 10 s spread over one more
-        # replica give max(10 * 2/3, 4) = 6.7 s, a cut of 33 % >= a quarter share (1/12): add
-        (10.0, 10.0, 4.0, 2, 1),
+        # replica give max(10 * 2/3, 4) = 6.7 s, a cut of 33 % >= a quarter share (1/12); a fourth
+        # gives 5 s, a cut of 25 % of 6.7 s >= 1/16: add both in one decision (the maximum is 4)
+        (10.0, 10.0, 4.0, 2, 2),
         # with one more: max(6.7, 9.5) = 9.5, a cut of 5 % < 1/12: too little for a replica
         (10.0, 10.0, 9.5, 2, 0),
         # ... but 9.0 leaves a cut of 10 %: add
@@ -29,6 +30,9 @@ RULE = RebalanceRule(min_replicas=1, max_replicas=4)
         (4.2, 4.0, 4.0, 2, 0),
         (8.0, 2.0, 8.0, 2, -1),  # one fewer: max(2 * 2/1, 8) = 8, the step stays 8: remove
         (8.0, 5.0, 8.0, 2, 0),  # one fewer: 10 > 8, the step would grow
+        # one fewer: 7.6 s of generation beside 8 s of training, the step stays 8 s, but the
+        # replicas' work would leave training less than a quarter share (1/8) of slack: keep it
+        (8.0, 3.8, 8.0, 2, 0),
         (8.0, 2.0, 8.0, 1, 0),  # at the minimum
         # the step waited (12 s) with the replicas busy 2 s: the wait counts as generation's
         # (a tail included), so one more is predicted to cut it to 8 s; whether it did is judged
@@ -101,26 +105,33 @@ def test_rebalancer_adds_replicas_after_a_length_shift_and_the_step_recovers():
 def test_rebalancer_waits_out_its_cooldown_and_stops_adding_when_it_does_not_pay():
     rebalancer = Rebalancer(RebalanceRule(window=1, cooldown=1))
     steps = [  # (step_s, generation_s, train_s) and the replicas that ran the step
-        (10.0, 10.0, 4.0, 2),  # generation lags: add (predicted 6.7 s)
-        (10.0, 9.0, 4.0, 3),  # cooldown
-        (9.5, 9.0, 4.0, 3),  # the add cut the step by 5 % < 1/12, its threshold: adding stops at this load
-        (9.5, 9.0, 4.0, 3),  # so no more adds (the model alone would add: 7.1 s predicted)
-        (20.0, 18.0, 4.0, 3),  # generation grew by more than a replica's share (> 12): adding resumes
-        (4.0, 1.0, 8.0, 4),  # cooldown
-        (8.0, 1.0, 8.0, 4),  # training lags: remove
+        (10.0, 10.0, 4.0, 2),  # generation lags: add three (5 replicas: max(10 * 2/5, 4) = 4 s predicted)
+        (10.0, 9.0, 4.0, 5),  # cooldown
+        (9.5, 9.0, 4.0, 5),  # the adds cut the step by 5 % < 3/5 of a quarter, their threshold: adding stops
+        (9.5, 9.0, 4.0, 5),  # so no more adds (the model alone would add)
+        (20.0, 18.0, 4.0, 5),  # generation grew by more than a replica's share (> 10.8): adding resumes, to 8
+        (4.0, 1.0, 8.0, 8),  # cooldown
+        (8.0, 1.0, 8.0, 8),  # training lags: remove one
     ]
     changes = [rebalancer.observe(k, *row) for k, row in enumerate(steps, 1)]
-    assert changes == [1, 0, 0, 0, 1, 0, -1]
-    assert [(e.step, e.change, e.replicas) for e in rebalancer.events] == [(1, 1, 3), (3, 0, 3), (5, 1, 4), (7, -1, 3)]
-    assert "generation lags" in rebalancer.events[0].reason and "waits for nothing" in rebalancer.events[-1].reason
+    assert changes == [3, 0, 0, 0, 3, 0, -1]
+    assert [(e.step, e.change, e.replicas) for e in rebalancer.events] == [(1, 3, 5), (3, 0, 5), (5, 3, 8), (7, -1, 7)]
+    assert "generation lags" in rebalancer.events[0].reason and "3 more" in rebalancer.events[0].reason
+    assert "waits for nothing" in rebalancer.events[-1].reason
 
 
 def test_rebalancer_averages_its_window():
+    """Removing judges the window's mean; adding also the newest step alone (a step that grew is news)."""
     rebalancer = Rebalancer(RebalanceRule(window=2, cooldown=2))
-    assert decide(4.0, 1.0, 4.0, 2, RULE) == -1  # alone this step would remove one ...
-    assert rebalancer.observe(1, 4.0, 1.0, 4.0, 2) == 0  # ... but the rule waits for a full window
-    assert rebalancer.observe(2, 20.0, 19.0, 4.0, 2) == 1  # whose mean (12, 10, 4) lags: add
-    assert rebalancer.events[0].predicted_s == 8.0  # the window's 12 s of generation over 3 replicas
+    assert decide(8.0, 2.0, 8.0, 2, RULE) == -1  # alone this step would remove one ...
+    assert rebalancer.observe(1, 8.0, 2.0, 8.0, 2) == 0  # ... but the rule waits for a full window
+    assert decide(8.0, 4.6, 8.0, 2, RULE) == 0  # this one alone would keep both ...
+    assert rebalancer.observe(2, 8.0, 4.6, 8.0, 2) == -1  # ... the mean (8, 3.3, 8) leaves room: remove
+    growing = Rebalancer(RebalanceRule(window=2, cooldown=2))
+    assert growing.observe(1, 4.0, 1.0, 4.0, 2) == 0
+    assert decide(12.0, 10.0, 4.0, 2, growing.rule) == 4  # the window's mean asks for 6 replicas ...
+    assert growing.observe(2, 20.0, 19.0, 4.0, 2) == 6  # ... the newest step alone for 8: it wins
+    assert (growing.events[0].step_s, growing.events[0].predicted_s) == (20.0, 5.0)  # 20 s over 8 replicas
 
 
 @pytest.mark.parametrize(

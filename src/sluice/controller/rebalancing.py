@@ -4,7 +4,7 @@ After a step it reads the step's measured times — the time in the trainer's ca
 (``step_train_s``) and the time the step waited for generation (``step_wait_generation_s``), both
 from push admission — and the proxy's busy replica-seconds since the last step (``busy_s``, per
 replica: generation's time); ``schedule/rebalance.py``'s ``Rebalancer`` decides, the pipeline's
-``resize_rollout`` adds or removes a replica, and each change is a ``rebalance`` record with its
+``resize_rollout`` adds replicas or removes one, and each change is a ``rebalance`` record with its
 reason in ``metrics.jsonl``. The first step is not judged (it carries the run's start-up). The
 count after each decision goes into the run's checkpoints; ``restore_replicas`` brings a
 resumed run's rollout back to it. It
@@ -61,7 +61,7 @@ class RunRebalancer:
         self._busy_s = (await self.pipeline.engine_stats()).get("proxy_busy_s", 0.0)
 
     async def after_step(self, step: int, metrics: dict[str, float]) -> int:
-        """Judge step ``step`` from its ``metrics``; returns the change applied (+1, -1, 0)."""
+        """Judge step ``step`` from its ``metrics``; returns the change applied (replicas added, -1 or 0)."""
         stats = await self.pipeline.engine_stats()
         busy, replicas = stats["proxy_busy_s"], int(stats["proxy_replicas"])
         generation_s = (busy - (self._busy_s or 0.0)) / max(replicas, 1)

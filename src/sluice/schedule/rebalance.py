@@ -3,26 +3,32 @@
 After each training step the run reports the step's wall time (``step_s``), how long the
 trainer computed (``train_s``) and how long generation kept the replicas busy (``generation_s``,
 per replica). Decisions use the mean of the last ``window`` steps (none before ``window`` steps
-ran). The thresholds are the planner's: ``schedule/step_model.py`` (the model ``sluice plan``'s
-bound uses) predicts the step with ``r + 1`` and ``r - 1`` replicas from the measured times:
+ran); adding also asks the newest step alone and takes the larger count: a step that grew is news
+(a length shift), and a window still half full of the steps before it would add too few and
+spend a cooldown of long steps finding out. Removing uses the mean only. The thresholds are the
+planner's: ``schedule/step_model.py`` (the model ``sluice plan``'s bound uses) predicts the step
+with more and with fewer replicas from the measured times:
 
 - **add** a replica when the predicted step with one more is shorter than the measured one by at
   least ``MIN_SHARE`` (a quarter) of the replica's ideal share, ``1 / (r + 1)`` (the cut a
   replica brings when generation alone sets the step). With one more, generation's span spreads
   over the replicas: when the trainer waited, the whole step is taken to be generation's (a
-  tail included; whether that was so is judged after, below);
+  tail included; whether that was so is judged after, below). One decision adds as many as the
+  model justifies, each judged against the step predicted with the ones before it (a length
+  shift that needs 6 replicas gets them in one decision, not four decisions and their cooldowns);
 - **remove** one when the predicted step with one fewer is no longer than the measured one: the
   replicas' busy work, spread over one fewer, still fits beside training (the trainer waits for
-  nothing the replica provides; the rest of the step stays).
+  nothing the replica provides; the rest of the step stays). One per decision: a removal that
+  was wrong costs a replica's start-up to undo, so the rule gives replicas back slowly.
 
 The gap between the two (generation's whole span when adding, only its busy work when removing;
 a replica is added only when it buys a quarter share, removed only when it buys none) is the
 dead band that keeps measurement noise from flipping replicas.
 
-- **stop adding** when an added replica did not cut the step by the threshold that justified it
-  (``MIN_SHARE / (r + 1)`` of the step before): a long-tail response, not throughput, set the
-  step, so more replicas cannot help; adding resumes once generation per replica grows by more
-  than one replica's share (lengths changed).
+- **stop adding** when the added replicas did not cut the step by the threshold that justified
+  them (``MIN_SHARE · k / r`` of the step before, for ``k`` added to reach ``r``): a long-tail
+  response, not throughput, set the step, so more replicas cannot help; adding resumes once
+  generation per replica grows by more than one replica's share (lengths changed).
 
 ``MIN_SHARE`` was a half first; on ``benchmarks/rebalance.py`` that stopped adding at 4 replicas
 (a noisy 2-step window judged the fourth's cut at 7.6 % against 12.5 %) 9.8 % above the best
@@ -40,7 +46,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from sluice.schedule.step_model import predicted_step_s
+from sluice.schedule.step_model import generation_with, predicted_step_s
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +81,22 @@ def predicted(
 
 
 def decide(step_s: float, generation_s: float, train_s: float, replicas: int, rule: RebalanceRule) -> int:
-    """+1 (add a replica), -1 (remove one) or 0 (see the module docstring)."""
-    if replicas < rule.max_replicas:
-        with_one_more = predicted(step_s, generation_s, train_s, replicas, replicas + 1, rule)
-        if with_one_more < step_s * (1 - MIN_SHARE / (replicas + 1)):
-            return 1
-    with_one_fewer = predicted(step_s, generation_s, train_s, replicas, max(replicas - 1, 1), rule)
-    if replicas > rule.min_replicas and with_one_fewer <= step_s:
+    """How many replicas to add (> 0) or remove (-1), or 0 (see the module docstring): adding
+    goes on, replica by replica on the model's predictions, while each one more still buys its
+    quarter share, so one decision reaches the count the model asks for; removing takes one."""
+    target, now = replicas, step_s
+    while target < rule.max_replicas:
+        with_one_more = predicted(step_s, generation_s, train_s, replicas, target + 1, rule)
+        if with_one_more >= now * (1 - MIN_SHARE / (target + 1)):
+            break
+        target, now = target + 1, with_one_more
+    if target > replicas:
+        return target - replicas
+    if replicas <= rule.min_replicas:
+        return 0
+    with_one_fewer = predicted(step_s, generation_s, train_s, replicas, replicas - 1, rule)
+    spread = generation_with(generation_s, replicas, replicas - 1)
+    if with_one_fewer <= step_s and (not rule.overlapped or spread <= train_s * (1 - MIN_SHARE / replicas)):
         return -1
     return 0
 
@@ -90,7 +105,7 @@ def decide(step_s: float, generation_s: float, train_s: float, replicas: int, ru
 class RebalanceEvent:
     step: int
     change: int
-    """+1 added, -1 removed, 0 adding stopped (the last addition did not pay)."""
+    """> 0 added, -1 removed, 0 adding stopped (the last addition did not pay)."""
     replicas: int
     """Replicas after the change."""
     step_s: float
@@ -104,7 +119,7 @@ class RebalanceEvent:
 
 _REASONS = {
     1: "generation lags training: {g:.2f} s per replica vs {t:.2f} s training, step {s:.2f} s, predicted {p:.2f} s "
-    "with one more",
+    "with {k} more",
     -1: "the trainer waits for nothing: {g:.2f} s per replica vs {t:.2f} s training, step {s:.2f} s, predicted "
     "{p:.2f} s with one fewer",
     0: "the last replica added did not shorten the step as predicted ({s:.2f} s, predicted {p:.2f} s): adding "
@@ -120,12 +135,12 @@ class Rebalancer:
     events: list[RebalanceEvent] = field(default_factory=list)
     _history: list[tuple[float, float, float]] = field(default_factory=list)
     _wait: int = 0
-    _added_from: tuple[float, float] | None = None  # the step time before the last add, and the one predicted after
+    _added_from: tuple[float, float, int] | None = None  # the step before the last add, its prediction, replicas added
     _ceiling: tuple[int, float] | None = None  # (replicas, generation_s) when adding stopped
 
     def observe(self, step: int, step_s: float, generation_s: float, train_s: float, replicas: int) -> int:
         """Report a finished step run by ``replicas`` replicas; returns the change to apply
-        (+1, -1 or 0). Every change, and a stop of adding, is appended to ``events``."""
+        (replicas to add, -1 or 0). Every change, and a stop of adding, is appended to ``events``."""
         self._history.append((step_s, generation_s, train_s))
         if len(self._history) < self.rule.window:  # one step alone is noise (the first: warm-up)
             return 0
@@ -133,16 +148,18 @@ class Rebalancer:
             self._wait -= 1
             return 0
         recent = self._history[-self.rule.window :]
-        step_avg, gen_avg, train_avg = (sum(x) / len(recent) for x in zip(*recent, strict=True))
-        self._judge_last_add(step, replicas, step_avg, gen_avg, train_avg)
-        change = decide(step_avg, gen_avg, train_avg, replicas, self.rule)
+        window = tuple(sum(x) / len(recent) for x in zip(*recent, strict=True))
+        self._judge_last_add(step, replicas, *window)
+        times, change = window, decide(*window, replicas, self.rule)
+        if change >= 0 and (newest := decide(*recent[-1], replicas, self.rule)) > change:
+            times, change = recent[-1], newest  # the newest step alone asks for more: news, not noise
         if change > 0 and self._ceiling is not None and replicas >= self._ceiling[0]:
             change = 0
         if change:
-            after = predicted(step_avg, gen_avg, train_avg, replicas, replicas + change, self.rule)
-            self._added_from = (step_avg, after) if change > 0 else None
+            after = predicted(*times, replicas, replicas + change, self.rule)
+            self._added_from = (times[0], after, change) if change > 0 else None
             self._wait = self.rule.cooldown
-            self._record(step, change, replicas + change, (step_avg, gen_avg, train_avg, after))
+            self._record(step, change, replicas + change, (*times, after))
         return change
 
     def _judge_last_add(self, step: int, replicas: int, step_s: float, generation_s: float, train_s: float) -> None:
@@ -150,15 +167,15 @@ class Rebalancer:
             self._ceiling = None  # generation grew by more than a replica's share: more may pay now
         if self._added_from is None:
             return
-        (before, promised), self._added_from = self._added_from, None
-        if before - step_s < before * MIN_SHARE / replicas:  # the least cut that justified the add
+        (before, promised, added), self._added_from = self._added_from, None
+        if before - step_s < before * MIN_SHARE * added / replicas:  # the least cut that justified the adds
             self._ceiling = (replicas, generation_s)
             self._record(step, 0, replicas, (step_s, generation_s, train_s, promised))
 
     def _record(self, step: int, change: int, replicas: int, times: tuple[float, float, float, float]) -> None:
         """``times``: the window's step, generation and training seconds, and the predicted step."""
         step_s, gen_s, train_s, predicted_s = times
-        reason = _REASONS[change].format(g=gen_s, t=train_s, s=step_s, p=predicted_s)
+        reason = _REASONS[min(change, 1)].format(g=gen_s, t=train_s, s=step_s, p=predicted_s, k=change)
         event = RebalanceEvent(step, change, replicas, step_s, gen_s, train_s, predicted_s, reason)
         self.events.append(event)
         logger.info("rebalance after step %d: %+d -> %d replicas (%s)", step, change, replicas, reason)
