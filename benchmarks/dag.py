@@ -44,13 +44,13 @@ from pathlib import Path
 
 import numpy as np
 import ray
+from distflow.data_nodes import SYNTHETIC_GENERATE, TOKEN_CHECKSUM, IndexPrompts
 from distflow.runtime import MultiControllerRun, SingleControllerRun
 from distflow.worker import RuntimeSettings
 from harness import dag_real
 from harness.report import write_results
 
 from sluice.dag import compile_dag, parse_dag
-from sluice.dag.loader import IndexPrompts
 
 GROUPS, GROUP_SIZE = 16, 4
 OUT = Path(__file__).resolve().parent / "results" / "dag.json"
@@ -63,10 +63,10 @@ def dag(workers: int, tokens: int) -> dict:
         "name": "data_path",
         "nodes": [
             {"id": "gen", "role": "rollout", "type": "generate", "reads": ["prompt"], "writes": ["response_ids"],
-             "function": "synthetic_generate", "parallel": half, "resources": {"pool": "gen"},
+             "function": SYNTHETIC_GENERATE, "parallel": half, "resources": {"pool": "gen"},
              "options": {"group_size": GROUP_SIZE, "tokens": tokens}},
             {"id": "score", "role": "reward", "type": "compute", "reads": ["response_ids"], "writes": ["checksum"],
-             "function": "token_checksum", "parallel": half, "resources": {"pool": "score"}},
+             "function": TOKEN_CHECKSUM, "parallel": half, "resources": {"pool": "score"}},
         ],
     }  # fmt: skip
 

@@ -6,11 +6,11 @@ one cursor per shard, metrics aggregated at rank 0, and the staleness bound with
 from __future__ import annotations
 
 import pytest
+from distflow.data_nodes import SYNTHETIC_GENERATE, TOKEN_CHECKSUM, IndexPrompts
 from distflow.runtime import MultiControllerRun, SingleControllerRun
 from distflow.worker import RuntimeSettings
 
 from sluice.dag import compile_dag, parse_dag
-from sluice.dag.loader import IndexPrompts
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +20,10 @@ def _dag(gen: int, score: int, tokens: int) -> dict:
         "name": "data_path",
         "nodes": [
             {"id": "gen", "role": "rollout", "type": "generate", "reads": ["prompt"],
-             "writes": ["response_ids", "reward"], "function": "synthetic_generate", "parallel": gen,
+             "writes": ["response_ids", "reward"], "function": SYNTHETIC_GENERATE, "parallel": gen,
              "options": {"group_size": 4, "tokens": tokens}, "resources": {"pool": "gen"}},
             {"id": "score", "role": "reward", "type": "compute", "reads": ["response_ids"], "writes": ["checksum"],
-             "function": "token_checksum", "parallel": score, "resources": {"pool": "score"}},
+             "function": TOKEN_CHECKSUM, "parallel": score, "resources": {"pool": "score"}},
             {"id": "train", "role": "actor", "type": "compute", "reads": ["reward", "checksum"],
              "writes": ["total"], "function": "weighted_sum", "parallel": 1, "resources": {"pool": "score"}},
         ],

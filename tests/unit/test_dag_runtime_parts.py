@@ -8,11 +8,12 @@ import threading
 
 import numpy as np
 import pytest
+from distflow.data_nodes import IndexPrompts
 from distflow.gate import AdmissionGate
 from distflow.transport import DriverTransport, payload_bytes
 
 from sluice.api import Batch, RowMeta
-from sluice.dag.loader import IndexPrompts, ShardLoader, shard_range
+from sluice.dag.loader import ShardLoader, shard_range
 from sluice.queue.packed import PackedColumn, offsets_of
 
 
@@ -74,7 +75,8 @@ def test_transport_counts_column_payloads_as_sample_bytes_and_control_as_not():
 
 
 def test_synthetic_rows_are_position_plus_row_mod_vocab_and_checksums_read_every_token():
-    from sluice.dag.compute_nodes import VOCAB, synthetic_generate, token_checksum
+    from distflow.data_nodes import VOCAB, synthetic_generate, token_checksum
+
     from sluice.dag.functions import NodeContext
     from sluice.dag.spec import DagNode
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import copy
 import random
 import re
+import sys
 
 import pytest
+from distflow.data_nodes import SYNTHETIC_GENERATE, TOKEN_CHECKSUM
 
 from sluice.cli import main
 from sluice.config import ConfigError, load_config
@@ -23,15 +25,15 @@ def _dag() -> dict:
         "name": "t",
         "nodes": [
             {"id": "rollout", "role": "rollout", "type": "generate", "reads": ["prompt"], "writes": ["tokens"],
-             "function": "synthetic_generate"},
+             "function": SYNTHETIC_GENERATE},
             {"id": "reference", "role": "reference", "type": "model_inference", "reads": ["tokens"],
-             "writes": ["ref"], "function": "token_checksum"},
+             "writes": ["ref"], "function": TOKEN_CHECKSUM},
             {"id": "values", "role": "critic", "type": "model_inference", "reads": ["tokens"],
-             "writes": ["values"], "function": "token_checksum"},
+             "writes": ["values"], "function": TOKEN_CHECKSUM},
             {"id": "score", "role": "custom", "type": "compute", "reads": ["ref", "values"], "writes": ["score"],
              "function": "weighted_sum"},
             {"id": "train", "role": "actor", "type": "model_train", "reads": ["tokens", "score"],
-             "function": "token_checksum"},
+             "function": TOKEN_CHECKSUM},
         ],
     }  # fmt: skip
 
@@ -185,3 +187,24 @@ def test_the_dag_placement_gives_each_node_after_rollout_a_task_and_the_trainer_
     assert [n.id for n in placed.node_workers] == ["length_penalty", "total_reward"]
     assert placed.tasks["total_reward"] == ("reward", "length_penalty")
     assert "total_reward" in placed.tasks["train"] and placed.reward_column == "total_reward"
+
+
+def test_a_function_file_that_defines_a_dataclass_resolves(tmp_path):
+    """The file's module is registered before it runs: a dataclass looks its module up while the
+    file executes (the data-path benchmark's ``data_nodes.py`` is such a file)."""
+    from sluice.dag.functions import resolve_function
+    from sluice.dag.spec import DagNode
+
+    file = tmp_path / "nodes.py"
+    file.write_text(
+        "from dataclasses import dataclass\n\n@dataclass(frozen=True)\nclass Cfg:\n    n: int = 2\n\n"
+        "def double(ctx, rows):\n    return {'y': [Cfg().n * x for x in rows.columns['x']]}\n"
+    )
+    node = DagNode(id="d", role="custom", type="compute", reads=("x",), writes=("y",), function=f"{file}:double")
+    assert resolve_function(node).__name__ == "double"
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(RuntimeError, match="boom"):
+        resolve_function(DagNode(id="b", role="custom", type="compute", reads=("x",), writes=("y",),
+                                 function=f"{broken}:f"))  # fmt: skip
+    assert not [m for m in sys.modules if m.startswith("sluice_dag_broken_")]  # no half-run module left behind

@@ -34,8 +34,6 @@ NODE_FUNCTIONS: dict[str, str] = {
     "actor_update": "sluice.dag.model_nodes:actor_update",
     "critic_update": "sluice.dag.model_nodes:critic_update",
     "weighted_sum": "sluice.dag.compute_nodes:weighted_sum",
-    "synthetic_generate": "sluice.dag.compute_nodes:synthetic_generate",
-    "token_checksum": "sluice.dag.compute_nodes:token_checksum",
 }
 """Built-in functions by name (the ``function:`` of a node), as ``module:attribute`` paths."""
 
@@ -94,8 +92,12 @@ def _function_from_file(node: DagNode, file: str, attribute: str) -> NodeFunctio
         spec = importlib.util.spec_from_file_location(name, file)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module  # pickling the function (to Ray workers) finds it by module
+        sys.modules[name] = module  # before it runs (a dataclass looks its module up); pickling finds it there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
     fn = getattr(module, attribute, None)
     if not callable(fn):
         raise DagError(f"node {node.id!r}: unknown function {node.function!r} ({file} has no {attribute!r})")

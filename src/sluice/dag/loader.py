@@ -35,19 +35,6 @@ def shard_range(n: int, rank: int, size: int) -> range:
 
 
 @dataclass(frozen=True)
-class IndexPrompts:
-    """``count`` prompts that are their own indices (the data-path benchmark and tests)."""
-
-    count: int
-
-    def __len__(self) -> int:
-        return self.count
-
-    def load(self, rank: int, size: int) -> list[int]:
-        return list(shard_range(self.count, rank, size))
-
-
-@dataclass(frozen=True)
 class PromptFile:
     """A training run's validated prompts as a JSON-lines file (one ``PromptItem`` per line),
     written once by ``write_prompt_file``; each worker parses only its own shard's lines."""

@@ -131,9 +131,6 @@ class ShardRolloutWorker(RolloutWorker):
         self.abort_groups(running, reason)
         return len(running)
 
-    def shard_cursor(self) -> dict[str, int] | None:
-        return self.loader.cursor() if self.loader is not None else None
-
 
 def _place(cursor: dict[str, int]) -> tuple[int, int]:
     return cursor["epoch"], cursor["position"]
