@@ -163,7 +163,7 @@ class SingleControllerRun(_Run):
                 node = spec.node(node_id)
                 if node.type == "generate":
                     continue
-                group = self.workers[self.plan.group_of(node_id).name]
+                group = self.workers[next(g for g in self.plan.groups if node_id in g.nodes).name]
                 shards = [range(r * len(indices) // node.parallel, (r + 1) * len(indices) // node.parallel)
                           for r in range(node.parallel)]  # fmt: skip
                 batches = [

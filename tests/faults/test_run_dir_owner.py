@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from sluice.runtime.run_lock import RunDirBusy, read_holder, run_dir_lock
+from host_probes import read_holder
+from sluice.runtime.run_lock import RunDirBusy, run_dir_lock
 
 pytestmark = pytest.mark.faults
 

@@ -166,7 +166,7 @@ def test_get_views_reads_a_units_arena_in_place_until_the_block_ends(ray_cluster
             column = batch.columns["x"]
             assert np.shares_memory(column.values, shm.attach(arena))  # no copy out of the unit's arena
             assert np.array_equal(column.values, values)
-            assert ray.get(unit.__ray_call__.remote(lambda self: self._arena.in_use())) == 1
-        assert ray.get(unit.__ray_call__.remote(lambda self: self._arena.in_use())) == 0  # released
+            assert ray.get(unit.__ray_call__.remote(lambda self: sum(not e[3] for e in self._arena._live))) == 1
+        assert ray.get(unit.__ray_call__.remote(lambda self: sum(not e[3] for e in self._arena._live))) == 0  # released
     finally:
         queue.shutdown()

@@ -39,13 +39,19 @@ def test_fits_refuse_unusable_input():
         fit_decode([1, 2, 3], [0.1, 0.2])
 
 
+def decode_iteration_s(cost: CostModel, batch: int, context: float, tp: int = 1) -> float:
+    """The cost model's decode iteration at running batch ``batch`` (docs/planner.md):
+    ``max(decode_s, batch · per_seq_s)``, the weights read once or every sequence's own work."""
+    return max(cost.decode_s(tp), batch * cost.decode_per_seq_s(context, tp))
+
+
 def test_refine_reproduces_the_measurement_and_extrapolates_by_device_count():
     cost = CostModel(MODELS["qwen2.5-7b"], DEVICES["H100"])
     decode = fit_decode([1, 8, 64, 128, 256, 512], [0.03, 0.03, 0.03, 0.048, 0.096, 0.192])
     train = fit_linear([1000, 4000, 8000], [0.1 + 1000 * 5e-5, 0.1 + 4000 * 5e-5, 0.1 + 8000 * 5e-5])
     refined = refine(cost, decode=decode, context=600, train=train, train_devices=2)
     assert refined.decode_s() == pytest.approx(decode.decode_s, rel=1e-6)
-    assert refined.decode_iteration_s(512, 600) == pytest.approx(decode.predict(512), rel=1e-3)
+    assert decode_iteration_s(refined, 512, 600) == pytest.approx(decode.predict(512), rel=1e-3)
     assert refined.train_token_s(2) == pytest.approx(5e-5, rel=1e-3)
     assert refined.train_token_s(4) == pytest.approx(2.5e-5, rel=1e-3)  # FLOPs split over devices
     assert refined.eff.microbatch_overhead_s == pytest.approx(0.1, rel=1e-3)
@@ -55,9 +61,9 @@ def test_engine_config_is_the_analytic_decode_curve():
     cost = CostModel(MODELS["qwen2.5-7b"], DEVICES["H100"])
     engine = cost.engine_config(2, LENGTHS, prompt_len=256)
     context = 256 + 0.5 * 500 * np.exp(0.25)
-    assert engine.iteration_s(1) == pytest.approx(cost.decode_iteration_s(1, context, 2))
+    assert engine.iteration_s(1) == pytest.approx(decode_iteration_s(cost, 1, context, 2))
     big = 4 * engine.knee
-    assert engine.iteration_s(big) == pytest.approx(cost.decode_iteration_s(big, context, 2), rel=0.02)
+    assert engine.iteration_s(big) == pytest.approx(decode_iteration_s(cost, big, context, 2), rel=0.02)
     # weights-bound decode: H200's bandwidth makes the flat part faster than H100's, A100 slower
     h200 = CostModel(MODELS["qwen2.5-7b"], DEVICES["H200"], Efficiency(decode_overhead_s=0.0))
     h100 = CostModel(MODELS["qwen2.5-7b"], DEVICES["H100"], Efficiency(decode_overhead_s=0.0))

@@ -9,7 +9,26 @@ import pytest
 
 from sluice.sim.cost_model import DEVICES, MODELS, Efficiency
 from sluice.sim.engine import LengthModel
-from sluice.sim.planner import Cluster, Workload, brute_force, lower_bound_s, plan, sim_config
+from sluice.sim.planner import (
+    Cluster,
+    Objective,
+    Ranked,
+    Workload,
+    candidates,
+    cost_per_hour,
+    lower_bound_s,
+    plan,
+    sim_config,
+)
+from sluice.sim.simulate import simulate
+
+
+def brute_force(workload: Workload, cluster: Cluster, objective: Objective = "step", steps: int = 5) -> list[Ranked]:
+    """Every candidate simulated, best first: the oracle ``plan``'s branch and bound must agree with."""
+    ok, _ = candidates(workload, cluster)
+    entries = [Ranked(c, simulate(sim_config(workload, cluster, c, steps)), cost_per_hour(cluster, c)) for c in ok]
+    return sorted(entries, key=lambda r: r.result.step_s if objective == "step" else -r.samples_per_dollar)
+
 
 WORKLOAD = Workload(
     MODELS["qwen2.5-1.5b"], prompts_per_step=4, group_size=4, prompt_len=32,

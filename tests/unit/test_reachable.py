@@ -63,3 +63,51 @@ def test_every_module_is_reached_from_the_cli() -> None:
     unreached = sorted(set(modules) - seen)
     assert not unreached, f"modules no sluice command reaches (move them to benchmarks/ or tests/): {unreached}"
     assert len(seen) > 150  # the walk really followed the imports
+
+
+CALLED_FROM_OUTSIDE = {
+    "get_seq_length": "engines/kv_batch.py: transformers' Cache API; the model's forward calls it",
+    "handle_error": "rollout/agent_endpoint.py: socketserver calls it on a handler's error",
+    "save_model": "rl_trainer.py: the Python API's RLTrainer (docs/design.md), called by users' scripts",
+}
+"""Definitions no module of ``src/sluice`` names, and who calls them instead."""
+
+
+def _definitions_no_module_names() -> dict[str, list[str]]:
+    """Top-level functions and classes, and methods without decorators, whose name appears nowhere
+    in ``src/sluice`` but at their own definition: not as a name, an attribute, an imported name
+    outside a package's ``__init__`` (a re-export alone calls nothing) or a word of a string
+    (registries name functions in strings)."""
+    defined: dict[str, list[str]] = {}
+    named: set[str] = set()
+    for path in (SRC / "sluice").rglob("*.py"):
+        tree, where = ast.parse(path.read_text()), str(path.relative_to(SRC / "sluice"))
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.setdefault(node.name, []).append(where)
+            if isinstance(node, ast.ClassDef):
+                for method in node.body:
+                    if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and not method.decorator_list:
+                        defined.setdefault(method.name, []).append(f"{where}: {node.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                named.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                named.add(node.attr)
+            elif isinstance(node, ast.alias) and path.name != "__init__.py":
+                named.add(node.asname or node.name.rpartition(".")[2])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named.update(re.findall(r"\w+", node.value))
+    return {name: where for name, where in defined.items() if name not in named and not name.startswith("__")}
+
+
+def test_every_function_and_class_is_named_by_product_code() -> None:
+    """The module walk above proves every module reachable; this finds the functions inside them
+    that only a benchmark or a test calls (they belong there). Name-based: it misses dead code
+    whose name a live one shares, and a function a library calls by name is listed, with its
+    caller, in ``CALLED_FROM_OUTSIDE``."""
+    unnamed = _definitions_no_module_names()
+    assert set(unnamed) == set(CALLED_FROM_OUTSIDE), (
+        f"defined in src/sluice but named by no module of it (move them to benchmarks/ or tests/, or say "
+        f"who calls them in CALLED_FROM_OUTSIDE): {dict(sorted(unnamed.items()))}"
+    )

@@ -74,7 +74,7 @@ def test_code_exec_scoring_from_the_config(tmp_path, scoring, expected):
 @needs_bwrap
 def test_the_process_bound_from_the_config_holds(tmp_path):
     """``sandbox_processes`` reaches the pids cgroup: 40 threads in a sandbox of 16 fail the test."""
-    from sluice.rewards.jail import cgroups_available
+    from host_probes import cgroups_available
 
     if not cgroups_available():
         pytest.skip("no writable pids / memory cgroups here")

@@ -10,10 +10,11 @@ import socket
 import pytest
 
 from fakes import length_reward
+from host_probes import read_holder
 from sluice import RLTrainer
 from sluice.cli import main
 from sluice.config import load_config
-from sluice.runtime.run_lock import LOCK_FILE, RunDirBusy, read_holder, run_dir_lock
+from sluice.runtime.run_lock import LOCK_FILE, RunDirBusy, run_dir_lock
 from tiny import tiny_run_overrides
 
 

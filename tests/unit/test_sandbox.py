@@ -4,8 +4,9 @@ import ast
 
 import pytest
 
+from host_probes import cgroups_available
 from sluice.rewards.code_exec import extract_code
-from sluice.rewards.jail import bwrap_problem, cgroups_available
+from sluice.rewards.jail import bwrap_problem
 from sluice.rewards.sandbox import SandboxLimits, SandboxUnavailable, network_isolation_available, run_sandboxed
 
 needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 import sluice
-from sluice.rewards.jail import bwrap_problem, cgroups_available
+from host_probes import cgroups_available
+from sluice.rewards.jail import bwrap_problem
 from sluice.rewards.sandbox import SandboxLimits, network_isolation_available, run_sandboxed
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")

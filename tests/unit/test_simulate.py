@@ -9,7 +9,15 @@ import pytest
 
 from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import LengthModel, SimEngineConfig
-from sluice.sim.simulate import MODES, SimConfig, simulate, trace_fractions
+from sluice.sim.simulate import MODES, SimConfig, SimResult, simulate
+from sluice.telemetry.trace import trace_summary
+
+
+def trace_fractions(result: SimResult) -> dict:
+    """The same headline numbers ``sluice trace`` reports for a real run, from the simulated trace."""
+    summary = trace_summary(result.events)
+    return {k: summary[k] for k in ("wall_s", "trainer_idle_fraction", "generate_train_overlap_fraction")}
+
 
 ENGINE = SimEngineConfig(decode_s=0.02, knee=8, max_running=24, prefill_s_per_token=1e-4, load_s=0.5,
                          lengths=LengthModel(30, 0.5, 0.8))  # fmt: skip

@@ -52,9 +52,6 @@ class Plan:
         """Every node id, stage by stage (a valid serial execution order)."""
         return [n for stage in self.stages for n in stage]
 
-    def group_of(self, node_id: str) -> WorkerGroup:
-        return next(g for g in self.groups if node_id in g.nodes)
-
     def queue_tasks(self) -> dict[str, tuple[str, ...]]:
         """TransferQueue tasks: every node that is not ``generate``, reading its ``reads``."""
         return {n.id: n.reads for n in self.spec.nodes if n.type != "generate"}

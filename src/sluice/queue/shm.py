@@ -150,10 +150,6 @@ class Arena:
                 if entry is not None:
                     entry[3] = 1
 
-    def in_use(self) -> int:
-        with self._lock:
-            return sum(1 for e in self._live if not e[3])
-
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name))

@@ -180,13 +180,6 @@ def _create(name: str, pids_max: int, memory_bytes: int) -> list[Path]:
 
 
 @functools.cache
-def cgroups_available() -> bool:
-    """Whether this process can create the sandbox's cgroups (probed once)."""
-    probe = Cgroup(8, 64 << 20)
-    probe.remove()
-    return bool(probe.dirs)
-
-
 def _read(path: Path) -> str:
     try:
         return path.read_text()

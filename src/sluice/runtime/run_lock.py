@@ -89,18 +89,6 @@ def refuse_if_held(run_dir: Path) -> None:
         os.close(fd)  # drops the probe's shared lock
 
 
-def read_holder(run_dir: Path) -> dict[str, object]:
-    """The holder recorded in ``run_dir``'s lock file (``{}``: none, or released in order)."""
-    path = run_dir / LOCK_FILE
-    if not path.is_file():
-        return {}
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _read(fd)
-    finally:
-        os.close(fd)
-
-
 def _read(fd: int) -> dict[str, object]:
     os.lseek(fd, 0, os.SEEK_SET)
     text = os.read(fd, 4096).decode(errors="replace").strip()

@@ -130,9 +130,6 @@ class CostModel:
         """A decode iteration while the batch is small (memory-bound)."""
         return analytic_memory_bound_s(self.model, self.device, tp, self.eff) + self.eff.decode_overhead_s
 
-    def decode_iteration_s(self, batch: int, context: float, tp: int = 1) -> float:
-        return max(self.decode_s(tp), batch * self.decode_per_seq_s(context, tp))
-
     def max_running(self, context: float, tp: int = 1) -> int:
         """Sequences whose KV cache fits beside the weights (90 % of memory usable)."""
         free = 0.9 * self.device.memory * tp - self.model.weight_bytes

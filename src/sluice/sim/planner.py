@@ -264,12 +264,5 @@ def plan(workload: Workload, cluster: Cluster, objective: Objective = "step", st
     return Plan(ranked, len(ok), refused)
 
 
-def brute_force(workload: Workload, cluster: Cluster, objective: Objective = "step", steps: int = 5) -> list[Ranked]:
-    """Every candidate simulated, best first (what ``plan`` must agree with; slow)."""
-    ok, _ = candidates(workload, cluster)
-    entries = [Ranked(c, simulate(sim_config(workload, cluster, c, steps)), cost_per_hour(cluster, c)) for c in ok]
-    return sorted(entries, key=lambda r: _score(r, objective))
-
-
 def _score(entry: Ranked, objective: Objective) -> float:
     return entry.result.step_s if objective == "step" else -entry.samples_per_dollar

@@ -40,7 +40,7 @@ from sluice.sim.cost_model import TrainerCost
 from sluice.sim.engine import SimEngine, SimEngineConfig
 from sluice.sim.pipeline import SimPipeline, stalled_together_s
 from sluice.sim.task import SimReward, sim_prompts
-from sluice.telemetry.trace import SpanRecorder, trace_summary
+from sluice.telemetry.trace import SpanRecorder
 
 Mode = Literal["sync", "streaming", "one_step", "async"]
 MODES: tuple[Mode, ...] = ("sync", "streaming", "one_step", "async")
@@ -289,9 +289,3 @@ def _result(
         counters=ledger.counters(),
         events=rollout.events() + pipeline.recorder.events(),
     )
-
-
-def trace_fractions(result: SimResult) -> dict[str, Any]:
-    """The same headline numbers ``sluice trace`` reports for a real run, from the simulated trace."""
-    summary = trace_summary(result.events)
-    return {k: summary[k] for k in ("wall_s", "trainer_idle_fraction", "generate_train_overlap_fraction")}
