@@ -33,7 +33,7 @@ from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
 from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
 from sluice.runtime.pipelines import PipelineSpec, wait_engine_version
-from sluice.runtime.ray_pipeline import RayPipeline, _runtime
+from sluice.runtime.ray_pipeline import RayWorkers, _runtime
 from sluice.runtime.ray_supervision import HEALTH, death_detail, supervised
 from sluice.runtime.supervision import Heartbeat, abandon
 from sluice.schedule.failures import FailureBudget, RunStopped
@@ -47,8 +47,8 @@ STOP_TIMEOUT_S = 60.0
 """How long a failing run waits for its rollout workers to stop before it reports the failure."""
 
 
-class MultiRayPipeline(RayPipeline):
-    """``RayPipeline``'s workers with ``resources.rollout.workers`` shard rollout workers and the
+class MultiRayPipeline(RayWorkers):
+    """``RayWorkers`` with ``resources.rollout.workers`` shard rollout workers and the
     step gate; the driver never moves a prompt or a row."""
 
     rollout_class = ShardRolloutWorker
@@ -210,7 +210,7 @@ class MultiRayPipeline(RayPipeline):
         return {**total, **averaged, "version": min(p["version"] for p in parts)}
 
     async def fingerprints(self) -> tuple[tuple[int, float], tuple[int, float]]:
-        """As ``RayPipeline``'s, and every rollout worker must hold the first one's weights."""
+        """As ``RayWorkers``', and every rollout worker must hold the first one's weights."""
         trainer, engine = await super().fingerprints()
         others = await asyncio.gather(*(a.weights_fingerprint.remote() for a in self.rollout_actors[1:]))
         if any(o != engine for o in others):
@@ -218,7 +218,7 @@ class MultiRayPipeline(RayPipeline):
         return trainer, engine
 
     def end_records(self) -> dict[str, dict[str, float]]:
-        """As ``RayPipeline``'s, and where each worker's prompt shard stands (``shards``)."""
+        """As ``RayWorkers``', and where each worker's prompt shard stands (``shards``)."""
         cursors = {f"shard{c['rank']}_{k}": float(c[k]) for c in self.cursors for k in ("epoch", "position")}
         rows = {f"node_rows_{k}": float(v) for k, v in self.node_rows.items()}
         return {**super().end_records(), "shards": {**cursors, **rows}}
@@ -237,7 +237,7 @@ class MultiRayPipeline(RayPipeline):
 
     def _named_actors(self) -> list[tuple[str, Any]]:
         named = super()._named_actors()
-        extra = getattr(self, "rollout_actors", [None])[1:]  # none yet while ``RayPipeline`` builds
+        extra = getattr(self, "rollout_actors", [None])[1:]  # none yet while ``RayWorkers`` builds
         return named + [(f"rollout worker {r}", a) for r, a in enumerate(extra, start=1)]
 
     def close(self) -> None:
@@ -299,7 +299,7 @@ class PullAdmission:
         self._trained, self._resumed = version, cut
 
 
-def _rollout_kwargs_of(pipeline: RayPipeline) -> dict[str, Any]:
+def _rollout_kwargs_of(pipeline: RayWorkers) -> dict[str, Any]:
     from sluice.queue import AsyncRayQueue
     from sluice.runtime.pipelines import rollout_kwargs
 

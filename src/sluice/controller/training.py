@@ -30,7 +30,7 @@ from sluice.data import PromptStream
 from sluice.rollout.evaluate import EvalResult
 from sluice.runtime.pipelines import LocalPipeline, PipelineSpec
 from sluice.runtime.preemption import Preemption, RunPreempted
-from sluice.runtime.ray_pipeline import RayPipeline
+from sluice.runtime.ray_pipeline import RayPipeline, RayWorkers
 from sluice.runtime.supervision import Watchdog, supervised
 from sluice.schedule.failures import FailureBudget, RunStopped
 from sluice.schedule.ledger import GroupLedger
@@ -63,7 +63,7 @@ ENGINE_SYNC_STATS = (
 )
 
 
-def place_pipeline(run: TrainingRun, spec: PipelineSpec) -> tuple[LocalPipeline | RayPipeline, Admission]:
+def place_pipeline(run: TrainingRun, spec: PipelineSpec) -> tuple[LocalPipeline | RayWorkers, Admission]:
     """The run's workers on ``run.backend`` (one process, ``local``, or an actor each, ``ray``)
     and how its groups are admitted: the driver's waves (``push.py``), or, with
     ``run.controller: multi``, credits the rollout workers pull, each over its shard of the
@@ -181,7 +181,7 @@ async def run_training(
 
 
 async def _start(
-    run: TrainingRun, pipeline: LocalPipeline | RayPipeline, resumed: DriverState | None
+    run: TrainingRun, pipeline: LocalPipeline | RayWorkers, resumed: DriverState | None
 ) -> EvalResult | None:
     """A fresh run's base evaluation, or a resume's restore (trainer state, engines at its
     version, the queue's untrained rows) and the base evaluation it recorded."""
@@ -203,7 +203,7 @@ def _stop_if_asked(stop: Preemption, run: TrainingRun) -> None:
 async def _supervised_loop(
     run: TrainingRun,
     controller: Controller,
-    pipeline: LocalPipeline | RayPipeline,
+    pipeline: LocalPipeline | RayWorkers,
     watchdog: Watchdog,
     after_step: StepCallback,
 ) -> None:
@@ -224,7 +224,7 @@ async def _supervised_loop(
 
 
 async def _evaluate(
-    run: TrainingRun, pipeline: LocalPipeline | RayPipeline, step: int | None = None
+    run: TrainingRun, pipeline: LocalPipeline | RayWorkers, step: int | None = None
 ) -> EvalResult | None:
     """One evaluation on the rollout engines (logged), or ``None`` when the run has none."""
     if not run.evaluates:
@@ -236,7 +236,7 @@ async def _evaluate(
 async def _log_run_end(
     run: TrainingRun,
     controller: Controller,
-    pipeline: LocalPipeline | RayPipeline,
+    pipeline: LocalPipeline | RayWorkers,
     spec: PipelineSpec,
 ) -> None:
     """The workers' end-of-run numbers: weight fingerprints, engine and reward counters."""

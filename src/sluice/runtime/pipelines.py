@@ -96,9 +96,6 @@ class _Pipeline:
         self.prompts = prompts
         self.engine_version = 0
 
-    def next_prompt(self) -> PromptItem:
-        return self.prompts.take(1)[0]
-
     async def queue_snapshot(self, group_ids: set[int]) -> dict[str, Any]:
         """The queue's plain-data state of ``group_ids``' rows, untrained (for a checkpoint)."""
         return groups_snapshot(await asyncio.to_thread(self.queue.snapshot), group_ids)
@@ -145,6 +142,9 @@ class LocalPipeline(_Pipeline):
         """Each serves its queue task until the queue closes (``close`` raises what one raised)."""
         for node in nodes:
             self._serve(NodeTaskWorker(node, self.queue, **node_worker_kwargs(spec, critic_sync)))
+
+    def next_prompt(self) -> PromptItem:
+        return self.prompts.take(1)[0]
 
     def _serve(self, worker: NodeTaskWorker) -> None:
         served = self._node_tasks.submit(worker.serve)

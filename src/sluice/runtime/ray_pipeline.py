@@ -57,10 +57,12 @@ from sluice.weights.broadcast import EngineWorkersFeed
 T = TypeVar("T")
 
 
-class RayPipeline(_Pipeline):
+class RayWorkers(_Pipeline):
     """One Ray actor per role (rollout, trainer) plus the queue's storage and controller actors;
-    with ``resources.trainer.ranks`` > 1, that many trainer actors form one process group, and each step's
-    groups are dealt to them by tokens (each to the rank with the fewest so far)."""
+    with ``resources.trainer.ranks`` > 1, that many trainer actors form one process group. What
+    every Ray run asks of its workers (weights, evaluation, checkpoints, health); how a step's
+    groups reach them is the driver's admission: pushed (``RayPipeline``) or pulled by the rollout
+    workers (``controller/multi.py: MultiRayPipeline``), each a subclass with its own verbs."""
 
     rollout_class: type[RolloutWorker] = RolloutWorker
     rollout_restarts_allowed = ROLLOUT_RESTARTS
@@ -127,10 +129,6 @@ class RayPipeline(_Pipeline):
         self.driver_sample_bytes = 0
         """Bytes of sample data (prompts, generations) the driver sent or received while training,
         as Ray pickles them (evaluation apart): the single controller sends every prompt."""
-        self._group_tokens: dict[int, int] = {}
-        self._rank_tokens: list[int] = []
-        self._step_groups = 0
-        """Groups handed to the ranks this step: the next group's position in the step."""
         share = actor_cpu_share(cluster.get("CPU", 1.0), 1 + spec.ranks + others)
         self.actor_share, self.oversubscribed = share, over
         node_cls: Any = supervised(NodeTaskWorker).options(num_cpus=share, **_runtime(1, True))
@@ -152,23 +150,6 @@ class RayPipeline(_Pipeline):
         calls (they return only when the queue shuts down)."""
         actors = [node_cls.remote(node, self.queue, **kwargs) for node in nodes]
         return actors, [actor.serve.remote() for actor in actors]
-
-    async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
-        """The rollout worker's reports; if it dies, ``WorkerLost`` with the groups it did not report."""
-        from ray.exceptions import RayActorError
-
-        self.driver_sample_bytes += pickled_size(list(groups))
-        stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
-        prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
-        try:
-            async for ref in stream:
-                report: GroupReport = await ref
-                # a group's training cost in the packed layout: its prompt once, then every response
-                self._group_tokens[report.group_id] = prompt_tokens[report.group_id] + report.response_tokens
-                prompt_tokens.pop(report.group_id)
-                yield report
-        except RayActorError:
-            raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
 
     async def recover_rollout(self) -> None:
         """Once Ray has restarted the rollout worker, bring it to the engines' version (the one
@@ -200,54 +181,6 @@ class RayPipeline(_Pipeline):
         except RayActorError:
             await self.recover_rollout()
             return await call()
-
-    async def abort_groups(self, group_ids: list[int], reason: str) -> None:
-        await self._on_rollout(lambda: self.rollout_actor.abort_groups.remote(group_ids, reason))
-
-    async def begin_step(self) -> None:
-        self._rank_tokens = [0 for _ in self.trainer_actors]
-        self._step_groups = 0
-        await asyncio.gather(*(a.begin_step.remote() for a in self.trainer_actors))
-
-    async def train_groups(self, group_ids: list[int]) -> None:
-        """Deal the groups to ranks, each to the one with the fewest tokens this step so far, with
-        its position in the step (the ranks cut PPO mini-batches over the step's order)."""
-        dealt: list[list[int]] = [[] for _ in self.trainer_actors]
-        positions: list[list[int]] = [[] for _ in self.trainer_actors]
-        for gid in group_ids:
-            rank = min(range(len(dealt)), key=lambda r: (self._rank_tokens[r], r))
-            dealt[rank].append(gid)
-            positions[rank].append(self._step_groups)
-            self._step_groups += 1
-            self._rank_tokens[rank] += self._group_tokens.pop(gid, 0)
-        calls = [
-            a.add_groups.remote(gids, where)
-            for a, gids, where in zip(self.trainer_actors, dealt, positions, strict=True)
-            if gids
-        ]
-        await self._unless_a_task_stopped(asyncio.gather(*calls))
-
-    async def _unless_a_task_stopped(self, work: Awaitable[Any]) -> None:
-        """Await ``work``, but raise if a column task stops first: the trainer would wait for its
-        column forever."""
-        running = asyncio.ensure_future(work)
-        served = [asyncio.ensure_future(_awaited(ref)) for ref in self._served]
-        try:
-            await asyncio.wait([running, *served], return_when=asyncio.FIRST_COMPLETED)
-            stopped = next((task for task in served if task.done()), None)
-            if stopped is not None and not running.done():
-                stopped.result()  # its error, if it failed
-                raise RuntimeError("a queue task's worker stopped while the trainer waited for its column")
-            await running
-        finally:
-            for task in served:
-                task.cancel()
-            abandon(running)  # cancelled with its awaiter (a stopped run): nothing left to print
-
-    async def finish_step(self) -> dict[str, float]:
-        """Every rank's optimizer step (they meet in the gradient all-reduce); rank 0 reports."""
-        results = await asyncio.gather(*(a.finish_step.remote() for a in self.trainer_actors))
-        return results[0]
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         from ray.exceptions import RayActorError
@@ -377,6 +310,87 @@ class RayPipeline(_Pipeline):
         for sync in (self.weight_sync, self.critic_sync):  # their registry actors, and the weights
             if isinstance(sync, ObjectStoreWeightSync):
                 sync.shutdown()
+
+
+class RayPipeline(RayWorkers):
+    """``RayWorkers`` driven by pushed admission: the driver hands the rollout worker each wave's
+    prompts and deals each step's groups to the trainer ranks by tokens (each to the rank with the
+    fewest so far)."""
+
+    def __init__(self, spec: PipelineSpec, prompts: PromptStream, address: str | None = None) -> None:
+        super().__init__(spec, prompts, address)
+        self._group_tokens: dict[int, int] = {}
+        self._rank_tokens: list[int] = []
+        self._step_groups = 0
+        """Groups handed to the ranks this step: the next group's position in the step."""
+
+    def next_prompt(self) -> PromptItem:
+        return self.prompts.take(1)[0]
+
+    async def rollout_wave(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
+        """The rollout worker's reports; if it dies, ``WorkerLost`` with the groups it did not report."""
+        from ray.exceptions import RayActorError
+
+        self.driver_sample_bytes += pickled_size(list(groups))
+        stream = self.rollout_actor.run_groups.options(num_returns="streaming").remote(list(groups))
+        prompt_tokens = {gid: len(item.prompt_ids) for item, gid in groups}
+        try:
+            async for ref in stream:
+                report: GroupReport = await ref
+                # a group's training cost in the packed layout: its prompt once, then every response
+                self._group_tokens[report.group_id] = prompt_tokens[report.group_id] + report.response_tokens
+                prompt_tokens.pop(report.group_id)
+                yield report
+        except RayActorError:
+            raise WorkerLost("rollout worker", list(prompt_tokens), self.recover_rollout) from None
+
+    async def abort_groups(self, group_ids: list[int], reason: str) -> None:
+        await self._on_rollout(lambda: self.rollout_actor.abort_groups.remote(group_ids, reason))
+
+    async def begin_step(self) -> None:
+        self._rank_tokens = [0 for _ in self.trainer_actors]
+        self._step_groups = 0
+        await asyncio.gather(*(a.begin_step.remote() for a in self.trainer_actors))
+
+    async def train_groups(self, group_ids: list[int]) -> None:
+        """Deal the groups to ranks, each to the one with the fewest tokens this step so far, with
+        its position in the step (the ranks cut PPO mini-batches over the step's order)."""
+        dealt: list[list[int]] = [[] for _ in self.trainer_actors]
+        positions: list[list[int]] = [[] for _ in self.trainer_actors]
+        for gid in group_ids:
+            rank = min(range(len(dealt)), key=lambda r: (self._rank_tokens[r], r))
+            dealt[rank].append(gid)
+            positions[rank].append(self._step_groups)
+            self._step_groups += 1
+            self._rank_tokens[rank] += self._group_tokens.pop(gid, 0)
+        calls = [
+            a.add_groups.remote(gids, where)
+            for a, gids, where in zip(self.trainer_actors, dealt, positions, strict=True)
+            if gids
+        ]
+        await self._unless_a_task_stopped(asyncio.gather(*calls))
+
+    async def _unless_a_task_stopped(self, work: Awaitable[Any]) -> None:
+        """Await ``work``, but raise if a column task stops first: the trainer would wait for its
+        column forever."""
+        running = asyncio.ensure_future(work)
+        served = [asyncio.ensure_future(_awaited(ref)) for ref in self._served]
+        try:
+            await asyncio.wait([running, *served], return_when=asyncio.FIRST_COMPLETED)
+            stopped = next((task for task in served if task.done()), None)
+            if stopped is not None and not running.done():
+                stopped.result()  # its error, if it failed
+                raise RuntimeError("a queue task's worker stopped while the trainer waited for its column")
+            await running
+        finally:
+            for task in served:
+                task.cancel()
+            abandon(running)  # cancelled with its awaiter (a stopped run): nothing left to print
+
+    async def finish_step(self) -> dict[str, float]:
+        """Every rank's optimizer step (they meet in the gradient all-reduce); rank 0 reports."""
+        results = await asyncio.gather(*(a.finish_step.remote() for a in self.trainer_actors))
+        return results[0]
 
 
 def pickled_size(value: Any) -> int:

@@ -148,7 +148,8 @@ class Rebalancer:
             self._wait -= 1
             return 0
         recent = self._history[-self.rule.window :]
-        window = tuple(sum(x) / len(recent) for x in zip(*recent, strict=True))
+        step_avg, gen_avg, train_avg = (sum(x) / len(recent) for x in zip(*recent, strict=True))
+        window = (step_avg, gen_avg, train_avg)
         self._judge_last_add(step, replicas, *window)
         times, change = window, decide(*window, replicas, self.rule)
         if change >= 0 and (newest := decide(*recent[-1], replicas, self.rule)) > change:
