@@ -237,7 +237,7 @@ def test_the_workers_found_silent_are_those_that_answered_then_went_quiet():
         await supervised(_loop(moves, 5.0), Watchdog(TIMEOUT, beats, lambda: moves[0]))
         await stopping
 
-    with pytest.raises(WorkerStalled, match="^the queue controller sent no heartbeat"):
+    with pytest.raises(WorkerStalled, match=r"^the queue controller sent no heartbeat"):
         asyncio.run(run())
     assert answers.silent(TIMEOUT) == {"queue controller"}
     assert answers.silent(0.0) == set()
