@@ -6,7 +6,8 @@
     python benchmarks/mutations.py --only resume   # those whose test id contains "resume"
 
 Each entry names a test id, a file under ``src/``, an exact text that occurs once in it, its
-replacement (one line that breaks the mechanism the test guards) and what that breaks. The test
+replacement (one line that breaks the mechanism the test guards) and what that breaks (a file under
+``benchmarks/``, such as ``distflow/``, is mutated in a copy of ``benchmarks/``). The test
 runs with the mutated copy first on ``PYTHONPATH`` (inherited by Ray workers, spawned ranks and
 ``sluice`` subprocesses); a mutation passes this check when the test *fails* (pytest exit code 1),
 not when it errors out at import or collection. The working tree is never touched. Prints a table
@@ -31,6 +32,9 @@ SPECS = ROOT / "benchmarks" / "mutations.json"
 
 def mutate(scratch: Path, spec: dict) -> None:
     shutil.copytree(ROOT / "src", scratch / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    if spec["file"].startswith("benchmarks/"):  # benchmark-only code the tests import (distflow/, harness/)
+        skip = shutil.ignore_patterns("__pycache__", "results")
+        shutil.copytree(ROOT / "benchmarks", scratch / "benchmarks", ignore=skip)
     target = scratch / spec["file"]
     text = target.read_text()
     count = text.count(spec["old"])
@@ -52,7 +56,8 @@ def check(spec: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="sluice-mutant-") as scratch:
         mutate(Path(scratch), spec)
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [f"{scratch}/src", env.get("PYTHONPATH")]))
+        mutated = [f"{scratch}/src", f"{scratch}/benchmarks" if spec["file"].startswith("benchmarks/") else ""]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*mutated, env.get("PYTHONPATH")]))
         started = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", spec["test"]]
         try:

@@ -140,9 +140,14 @@ def test_ppo_with_a_critic_at_eta1_keeps_the_staleness_bound_and_the_fates(tiny_
 
 def test_the_lr_schedule_reaches_the_trainer_actor(tiny_task_model, tmp_path, request):
     """``trainer.lr_schedule`` through the Ray trainer actor: each step's mean learning rate over
-    its two mini-batch updates follows linear warmup (1 step = 2 updates) and decay over 3 steps."""
+    its two mini-batch updates follows linear warmup (1 step = 2 updates) and decay over 3 steps.
+    No KL or entropy term: the learning rate does not depend on them, and a KL starts a reference
+    worker actor (one more process importing torch and transformers, ≈ 7 CPU-s)."""
     request.getfixturevalue("ray_cluster")
     schedule = ["trainer.lr=0.01", "trainer.lr_schedule=linear", "trainer.lr_warmup_steps=1"]
-    records = _train_records(tiny_task_model, tmp_path, "lr", *schedule, "run.mode=async", "run.backend=ray")
+    no_reference = ["trainer.kl_coef=0", "trainer.entropy_coef=0"]
+    records = _train_records(
+        tiny_task_model, tmp_path, "lr", *schedule, *no_reference, "run.mode=async", "run.backend=ray"
+    )
     assert [r["step"] for r in records] == [1, 2, 3]  # updates 1..6: lr .5, 1, 1, .75, .5, .25 (x 0.01)
     assert [r["lr"] for r in records] == pytest.approx([0.0075, 0.00875, 0.00375])

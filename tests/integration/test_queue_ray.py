@@ -213,6 +213,12 @@ def test_shutdown_waits_once_for_a_stopped_unit_and_kills_every_actor(ray_cluste
     took = time.monotonic() - started
     assert took < 17.0, f"shutdown took {took:.1f} s: a stopped unit was waited for twice (10 s each)"
 
+    _assert_gone(pids)
+
+
+def _assert_gone(pids: list[int]) -> None:
+    import time
+
     def running(pid: int) -> bool:  # a zombie (exited, not yet reaped by its raylet) is not
         try:
             return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -223,3 +229,27 @@ def test_shutdown_waits_once_for_a_stopped_unit_and_kills_every_actor(ray_cluste
     while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, f"queue actors outlived shutdown: {alive}"
+
+
+@pytest.mark.faults  # it stops a process
+@pytest.mark.parametrize("stopped", ["unit", "controller"])
+def test_shutdown_waits_for_no_actor_the_watchdog_found_silent(ray_cluster, stopped: str) -> None:
+    """Unit 0 or a controller SIGSTOPped and named in ``silent`` (what ``RayPipeline.close`` passes:
+    the actors its heartbeats found silent, ``runtime/supervision.py: Answers``): ``shutdown``
+    waits for neither (each wait ran to its 10 s timeout, once per stopped actor of a recovery
+    chain) and kills every actor, the stopped one included."""
+    import os
+    import signal
+    import time
+
+    q = RayQueue.create(num_storage_units=2)
+    q.register_task("t", ["x"])
+    actors = [*q.units, *q.controllers().values()]
+    pids = [ray.get(a.__ray_call__.remote(lambda _: os.getpid())) for a in actors]
+    index = 0 if stopped == "unit" else 2
+    os.kill(pids[index], signal.SIGSTOP)
+    started = time.monotonic()
+    q.shutdown(silent={actors[index]._actor_id.hex()})
+    took = time.monotonic() - started
+    assert took < 5.0, f"shutdown took {took:.1f} s: it waited for a {stopped} found silent"
+    _assert_gone(pids)

@@ -34,10 +34,12 @@ GROUPS = {"colocated": [("PACK", 3)], "disaggregated": [("PACK", 1), ("PACK", 2)
 """The placement groups each placement asks Ray for: (strategy, bundles)."""
 
 
-@pytest.mark.parametrize(
-    "placement",
-    ["colocated", pytest.param("disaggregated", marks=pytest.mark.scale)],  # make test stays under 15 minutes
-)
+# Both in the scale tier: two replicas, two DDP ranks, the queue's actors and the registry (the
+# rollout worker and each rank import torch and transformers, ≈ 7 CPU-s each): 20–25 s on 2
+# cores. ``make test`` keeps a Ray run of two DDP ranks in the default (colocated) placement,
+# ``test_async_pipeline.py::test_two_data_parallel_ranks_give_one_process_update[one-ddp]``,
+# and the placement groups' arithmetic (``tests/unit/test_pipeline_placement.py``).
+@pytest.mark.parametrize("placement", [pytest.param(p, marks=pytest.mark.scale) for p in GROUPS])
 def test_resources_place_two_replicas_and_two_ranks(tiny_task_model, tmp_path, ray_cluster, placement):
     from ray.util import placement_group_table
 

@@ -15,6 +15,8 @@ from sluice.queue import LocalQueue
 from sluice.queue.samples import SAMPLE_COLUMNS
 from sluice.runtime.pipelines import LocalPipeline, PipelineSpec, queue_tasks
 from sluice.runtime.placement import (
+    RayPlacement,
+    Slot,
     actor_cpu_share,
     bundle_node,
     check_fits,
@@ -136,6 +138,36 @@ def test_rendezvous_addresses_are_the_chosen_nodes_ip_never_a_hostname():
     assert node_address(bundle_node(table, 0), NODES) == "10.0.0.1"
     with pytest.raises(RuntimeError, match="cc is not among"):
         node_address("cc", NODES)
+
+
+def test_the_free_address_task_imports_no_torch(monkeypatch):
+    """``free_address_on`` runs its function in a Ray task pinned to the node; the task's fresh
+    worker imports the function's module (Ray pickles it by reference) before a broadcast run
+    creates its rollout and trainer actors: a module importing torch there costs ≈ 3 CPU-s."""
+    import subprocess
+    import sys
+
+    import ray
+
+    sent = []
+
+    def remote(**_options):
+        def task(function):
+            sent.append(function)
+            return SimpleNamespace(options=lambda **_: SimpleNamespace(remote=function))
+
+        return task
+
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "get", lambda value: value)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "ab" * 28, "Alive": True, "NodeManagerAddress": "127.0.0.1"}])
+    placement = object.__new__(RayPlacement)
+    monkeypatch.setattr(placement, "node_of", lambda slot: "ab" * 28, raising=False)
+    assert placement.free_address_on(Slot(0, 0, 1.0, 0.0)).startswith("tcp://127.0.0.1:")
+    heavy = "('torch', 'transformers')"
+    probe = f"import sys, {sent[0].__module__}; print(sorted(m for m in {heavy} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_a_ray_workers_device_is_the_gpu_ray_gave_it():

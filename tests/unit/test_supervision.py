@@ -215,3 +215,29 @@ def test_a_worker_has_longer_for_its_first_answer_then_the_timeout():
     with pytest.raises(WorkerStalled, match=r"^the 'reference' task worker sent no heartbeat"):
         asyncio.run(run())
     assert 3 * TIMEOUT + 0.5 <= time.monotonic() - started < 3 * TIMEOUT + 0.5 + 4 * TIMEOUT
+
+
+def test_the_workers_found_silent_are_those_that_answered_then_went_quiet():
+    """``Answers`` (a pipeline's teardown waits for none it names), asked when the watchdog has
+    named a stall: the worker that answered and then was stopped is silent; one that answers,
+    or one still starting (never answered), is not; without a watchdog (timeout 0) none is."""
+    from sluice.runtime.supervision import Answers
+
+    answers, workers = Answers(), [Worker("trainer"), Worker("queue controller"), Worker("reference")]
+    workers[2].state = "stopped"  # stopped while starting: never answered (it has FIRST_ANSWER_S)
+    beats = [Heartbeat(w.name, answers.timed(w.name, w.ping), w.beat().dead) for w in workers]
+    moves = [0]
+
+    async def run() -> None:
+        async def stop_later() -> None:
+            await asyncio.sleep(0.3)
+            workers[1].state = "stopped"
+
+        stopping = asyncio.ensure_future(stop_later())
+        await supervised(_loop(moves, 5.0), Watchdog(TIMEOUT, beats, lambda: moves[0]))
+        await stopping
+
+    with pytest.raises(WorkerStalled, match=r"^the queue controller sent no heartbeat"):
+        asyncio.run(run())
+    assert answers.silent(TIMEOUT) == {"queue controller"}
+    assert answers.silent(0.0) == set()

@@ -233,7 +233,8 @@ class MultiRayPipeline(RayWorkers):
         def ping(actor: Any) -> Any:
             return lambda: actor.heartbeat.options(concurrency_group=HEALTH).remote()
 
-        return [Heartbeat(name, ping(actor), dead, None) for name, actor in self._named_actors()]
+        timed = self.answers.timed
+        return [Heartbeat(name, timed(name, ping(actor)), dead, None) for name, actor in self._named_actors()]
 
     def _named_actors(self) -> list[tuple[str, Any]]:
         named = super()._named_actors()

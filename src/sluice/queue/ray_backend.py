@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -214,19 +214,26 @@ class RayQueue:
         tasks = ray.get(self.units[0].controllers.remote())
         ray.get([h.close.remote() for h in tasks.values()])
 
-    def shutdown(self) -> None:
+    def shutdown(self, silent: Collection[str] = ()) -> None:
         """Kill the queue's actors (controllers first); the data is gone. Works on a queue one of
         whose actors died (the run's error names it): the dead are skipped, the others killed
         (controllers die with the unit that created them). A unit 0 that does not answer (stopped
-        or hung) is waited for once, at most 10 s, not again to close its transport."""
+        or hung) is waited for once, at most 10 s, not again to close its transport; the actors
+        in ``silent`` (Ray actor ids a watchdog found not answering) are not waited for at all."""
+
+        def answers(handle: Any) -> bool:
+            return handle._actor_id.hex() not in silent
+
         units = self.units
         try:  # a stopped unit 0 never answers: its controllers die with it when it is killed
+            if not answers(self.units[0]):
+                raise ray.exceptions.GetTimeoutError
             controllers = list(ray.get(self.units[0].controllers.remote(), timeout=10.0).values())
         except ray.exceptions.RayActorError:
             controllers = []
         except ray.exceptions.GetTimeoutError:  # and it is not waited for a second time below
             controllers, units = [], self.units[1:]
-        closing = [h.close_transport.remote() for h in controllers] + [u.close_transport.remote() for u in units]
+        closing = [h.close_transport.remote() for h in [*controllers, *units] if answers(h)]
         if closing:  # a dead one's error is not this call's
             ray.wait(closing, num_returns=len(closing), timeout=10.0)
         for handle in [*controllers, *self.units]:

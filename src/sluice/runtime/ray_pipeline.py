@@ -47,7 +47,7 @@ from sluice.runtime.ray_supervision import (
     supervised,
     when_alive,
 )
-from sluice.runtime.supervision import Heartbeat, WorkerDied, WorkerLost, abandon
+from sluice.runtime.supervision import Answers, Heartbeat, WorkerDied, WorkerLost, abandon
 from sluice.schedule.failures import RunStopped
 from sluice.telemetry.samples import SampleSummary
 from sluice.trainer.worker import TrainerWorker
@@ -136,6 +136,8 @@ class RayWorkers(_Pipeline):
         self.node_actors, self._served = self._start_node_workers(nodes, node_cls, node_kwargs)
         self._actor_names = {beat_actor._actor_id.hex(): name for name, beat_actor in self._named_actors()}
         """Ray actor id → the worker's name in a one-line death."""
+        self.answers = Answers()
+        """When each actor last answered its heartbeat: ``close`` waits for none found silent."""
         """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
 
     @staticmethod
@@ -260,10 +262,11 @@ class RayWorkers(_Pipeline):
 
             ray.kill(self.rollout_actor, no_restart=False)  # Ray restarts it; its waves raise WorkerLost
 
-        return [
-            Heartbeat(name, ping(actor), dead, replace_rollout if actor is self.rollout_actor else None)
-            for name, actor in self._named_actors()
-        ]
+        beats = []
+        for name, actor in self._named_actors():
+            replace = replace_rollout if actor is self.rollout_actor else None
+            beats.append(Heartbeat(name, self.answers.timed(name, ping(actor)), dead, replace))
+        return beats
 
     def _named_actors(self) -> list[tuple[str, Any]]:
         """This pipeline's actors with their names (the heartbeats' and deaths'): the workers, the
@@ -305,7 +308,9 @@ class RayWorkers(_Pipeline):
         for handle in (self.rollout_actor, *self.trainer_actors, *self.node_actors):
             if handle is not None:
                 ray.kill(handle)
-        self.queue.shutdown()
+        # a stopped storage unit or controller (the watchdog named it) answers no close call
+        silent = self.answers.silent(self.spec.config.run.stall_timeout_s)
+        self.queue.shutdown(silent={actor for actor, name in self._actor_names.items() if name in silent})
         self.placement.close()
         for sync in (self.weight_sync, self.critic_sync):  # their registry actors, and the weights
             if isinstance(sync, ObjectStoreWeightSync):

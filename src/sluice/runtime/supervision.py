@@ -15,6 +15,9 @@ that cannot be replaced (a trainer rank, a queue-task worker) stops the run with
 the loop awaits its ``recover`` (the replacement holds the current weights) and starts the
 wave's unreported groups again, counted as regenerated.
 
+``Answers`` keeps when each worker last answered its heartbeat, so that a teardown does not wait
+for a worker found silent (a stopped actor never answers its close call either).
+
 Not here: restarting actors (Ray's ``max_restarts``), re-syncing weights (the pipeline) or
 regenerating groups (``controller/loop.py``).
 """
@@ -79,6 +82,33 @@ class Heartbeat:
     ping: Callable[[], Awaitable[object]]
     dead: Callable[[BaseException], str | None]
     replace: Callable[[], Awaitable[None]] | None = None
+
+
+class Answers:
+    """When each supervised worker last answered its heartbeat (``timed`` wraps its ping): a
+    pipeline's teardown asks which went ``silent`` and waits for none of those (a stopped actor
+    answers no close call; each such wait ran to its timeout, per restart of a run)."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def timed(self, worker: str, ping: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
+        """``ping``, recording when it answers."""
+
+        async def answered() -> object:
+            answer = await ping()
+            self._at[worker] = time.monotonic()
+            return answer
+
+        return answered
+
+    def silent(self, timeout_s: float) -> set[str]:
+        """Workers that answered once and not for more than ``timeout_s`` since (a worker still
+        starting has answered nothing: not silent; ``timeout_s`` <= 0: no watchdog, none)."""
+        if timeout_s <= 0:
+            return set()
+        now = time.monotonic()
+        return {worker for worker, at in self._at.items() if now - at > timeout_s}
 
 
 class Watchdog:
