@@ -64,7 +64,11 @@ def test_the_agent_plays_the_envs_token_stream(warm_start):
     assert tools > 0 and agent_runner.episodes.counts["tool_calls"] >= tools  # the warm start calls the tool
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
+# ``[ray]`` in the scale tier: ≈ 20 s of it is placing the run's actors (each rollout and trainer
+# actor imports torch and transformers) before the first of two steps. ``make test`` keeps this
+# agent's ``[local]`` run and an agentic run on Ray
+# (``test_agentic_pipeline.py::test_calculator_episodes_train_through_the_pipeline[async-ray]``).
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.scale)])
 def test_sluice_train_trains_the_agent(warm_start, tmp_path, backend, request):
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
