@@ -191,14 +191,16 @@ def test_the_dag_placement_gives_each_node_after_rollout_a_task_and_the_trainer_
 
 
 def test_a_function_file_that_defines_a_dataclass_resolves(tmp_path):
-    """The file's module is registered before it runs: a dataclass looks its module up while the
-    file executes (the data-path benchmark's ``data_nodes.py`` is such a file)."""
+    """The file's module is registered before it runs: a dataclass with string annotations looks
+    its module up while the file executes (the data-path benchmark's ``data_nodes.py`` is such a
+    file)."""
     from sluice.dag.functions import resolve_function
     from sluice.dag.spec import DagNode
 
     file = tmp_path / "nodes.py"
     file.write_text(
-        "from dataclasses import dataclass\n\n@dataclass(frozen=True)\nclass Cfg:\n    n: int = 2\n\n"
+        "from __future__ import annotations\n\nfrom dataclasses import dataclass\n\n"
+        "@dataclass(frozen=True)\nclass Cfg:\n    n: int = 2\n\n"
         "def double(ctx, rows):\n    return {'y': [Cfg().n * x for x in rows.columns['x']]}\n"
     )
     node = DagNode(id="d", role="custom", type="compute", reads=("x",), writes=("y",), function=f"{file}:double")
