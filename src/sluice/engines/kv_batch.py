@@ -9,7 +9,7 @@ move into freed slots, leading columns nobody uses are dropped by moving an offs
 ``extend`` (written into free slots, right-aligned). Why: with ``DynamicCache`` concatenation and
 ``index_select`` every step copied the whole cache, which made continuous batching (rows leave and
 join all the time) slower than static batches. ``prefill`` runs each distinct token sequence once
-(equal lengths share one unpadded forward) and returns a plain cache whose rows follow the input
+(prompts of different lengths share one left-padded forward, ``prefill_plan``) and returns a plain cache whose rows follow the input
 order; the engine uses it for new prompts and, after an interrupting weight update, to rebuild the
 cache of running rows (prompt + tokens so far) under the new weights.
 
@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from sluice.api.types import SamplingParams
+from sluice.engines.response_tokens import buckets_of
 
 _ROOM = 32  # spare columns per (re)allocation of the slab
 
@@ -235,28 +236,55 @@ class Rows:
         return self
 
 
+PREFILL_TOKENS = 16384
+"""Positions (rows × longest prompt) one prefill forward may take: prompts of different lengths
+share a left-padded forward up to this many (``prefill_plan``)."""
+
+
+def prefill_plan(sequences: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """The forwards ``prefill`` runs: each distinct sequence once, length-sorted (ties in first
+    appearance), cut where ``rows × longest`` would pass ``PREFILL_TOKENS`` (a longer one alone).
+    Why: on a small model a forward costs its per-layer dispatch whatever its rows, so one forward
+    per distinct length (the sync step's ~12) cost more than the padding one forward adds."""
+    distinct = list(dict.fromkeys(tuple(s) for s in sequences))
+    return [[distinct[i] for i in part] for part in buckets_of([len(s) for s in distinct], PREFILL_TOKENS)]
+
+
 def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tuple[DynamicCache, Tensor, Tensor, int]:
-    """Run each distinct sequence once; equal lengths share one unpadded forward.
+    """Run each distinct sequence once, in the forwards of ``prefill_plan`` (shorter ones
+    left-padded, their pad columns masked, zeroed in the cache and given position 0).
 
     Returns ``(cache, mask, logits, computed)``: a right-aligned cache with one row per input
     sequence (input order; keys / values [rows, kv_heads, cols, head_dim]), its mask [rows, cols],
     the logits after each sequence's last token [rows, V], and the number of tokens computed.
     """
     device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(tuple(s) for s in sequences))
     caches: list[DynamicCache] = []
     logits: list[Tensor] = []
     order: list[tuple[int, ...]] = []
-    for length in sorted({len(s) for s in distinct}):
-        group = [s for s in distinct if len(s) == length]
-        ids = torch.tensor(group, dtype=torch.long, device=device)  # [group, length]
-        positions = torch.arange(length, device=device).expand(len(group), length)
+    for group in prefill_plan(sequences):
+        width = max(map(len, group))
+        rows_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in group], device=device)
+        ids = torch.tensor([[0] * (width - len(s)) + list(s) for s in group], dtype=torch.long, device=device)
+        positions = (rows_mask.cumsum(1) - 1).clamp(min=0)  # [group, width]
+        padded = bool((rows_mask == 0).any())
         cache = DynamicCache()
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=rows_mask if padded else None,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        if padded:  # pad columns: masked from now on, and zero like the slab's unused columns
+            keep = rows_mask.bool()[:, None, :, None]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.where(keep, 0.0), layer.values.where(keep, 0.0)
         caches.append(cache)
         logits.append(out.logits[:, -1])
         order.extend(group)
-    cols = len(order[-1])
+    cols = max(map(len, order))
     merged = caches[0]
     for i, layer in enumerate(merged.layers):
         for attr in ("keys", "values"):
@@ -267,4 +295,4 @@ def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tup
     share = torch.tensor([row_of[tuple(s)] for s in sequences], device=device)
     for layer in merged.layers:
         layer.keys, layer.values = layer.keys.index_select(0, share), layer.values.index_select(0, share)
-    return merged, mask.index_select(0, share), torch.cat(logits).index_select(0, share), sum(map(len, distinct))
+    return merged, mask.index_select(0, share), torch.cat(logits).index_select(0, share), sum(map(len, order))
