@@ -8,10 +8,11 @@ versions so far. A decode step writes its column in place; rows leave by ``selec
 move into freed slots, leading columns nobody uses are dropped by moving an offset) and join by
 ``extend`` (written into free slots, right-aligned). Why: with ``DynamicCache`` concatenation and
 ``index_select`` every step copied the whole cache, which made continuous batching (rows leave and
-join all the time) slower than static batches. ``prefill`` runs each distinct token sequence once
-(prompts of different lengths share one left-padded forward, ``prefill_plan``) and returns a plain cache whose rows follow the input
-order; the engine uses it for new prompts and, after an interrupting weight update, to rebuild the
-cache of running rows (prompt + tokens so far) under the new weights.
+join all the time) slower than static batches. ``prefill`` runs each distinct token sequence
+once (prompts of different lengths share one left-padded forward, ``prefill_plan``) and returns a
+plain cache whose rows follow the input order; the engine uses it for new prompts and, after an
+interrupting weight update, to rebuild the cache of running rows (prompt + tokens so far) under
+the new weights.
 
 Not here: scheduling, sampling and weight updates (``hf_inference.py``, ``sampling.py``); paged
 KV and sliding-window caches.
