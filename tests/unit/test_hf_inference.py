@@ -334,3 +334,31 @@ def test_a_left_padded_prefill_leaves_zero_masked_pad_columns(model: LlamaForCau
         assert layer.keys[1, :, 2:].abs().sum() > 0
     assert torch.allclose(logits[0], alone[0][0], atol=1e-5) and torch.allclose(logits[1], alone[1][0], atol=1e-5)
     assert torch.equal(logits[0], logits[2])
+
+
+@pytest.mark.parametrize("wider", [False, True])  # the next wave fits the spare slab / needs a new one
+def test_a_wave_reuses_the_slab_of_the_last_and_computes_the_same_bits(model: LlamaForCausalLM, wider: bool) -> None:
+    """Rows that stop running leave their KV slab to the next admission (no fresh zeroed memory per
+    sync wave); its stale rows and columns are never read, so the next wave's tokens and log-probs
+    are bit for bit a fresh engine's."""
+    first = [_req(f"a{i}", [1 + i, 2, 3, 4, 5][: 2 + i % 4], n=3 + i, seed=i, temperature=1.0) for i in range(6)]
+    width = 30 if wider else 4
+    second = [_req(f"b{i}", [7, 1 + i, 2, 9, 4][: 1 + i % 4] * (width // 4), n=9, seed=20 + i) for i in range(5)]
+    engine = HFInferenceEngine(model, max_batch=8)
+    _run(engine, first)
+    spare = engine._spare
+    assert spare is not None
+    seen = []
+    step = engine.step
+
+    def watch() -> None:
+        step()
+        if engine._rows is not None:
+            seen.append(engine._rows.slab.bufs[0].data_ptr())
+
+    engine.step = watch  # type: ignore[method-assign]
+    again = _run(engine, second)
+    assert (seen[0] == spare.bufs[0].data_ptr()) is not wider
+    fresh = _run(HFInferenceEngine(model, max_batch=8), second)
+    for a, b in zip(again, fresh, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
