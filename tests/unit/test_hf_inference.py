@@ -262,13 +262,26 @@ def test_from_pretrained_loads_a_saved_folder(model: LlamaForCausalLM, tmp_path:
     assert completion.versions == (7,) * 6 and not loaded.model.training
 
 
-def test_prefills_count_one_forward_per_prompt_length_per_admission(model: LlamaForCausalLM) -> None:
-    """``prefills`` counts prefill forwards: requests admitted together share one per distinct
-    prompt length; requests trickling in one per step while rows run (as agent calls do) each
-    cost one (``benchmarks/agent_vs_env.py`` reports it)."""
-    together = HFInferenceEngine(model, max_batch=16)
-    _run(together, [_req(f"a{i}", [1 + i, 2, 3][: 1 + i % 3], seed=i) for i in range(6)])
-    assert together.stats()["prefills"] == 3  # one admission, three prompt lengths
+def test_prefills_count_one_forward_per_admission_whatever_the_prompt_lengths(model: LlamaForCausalLM) -> None:
+    """``prefills`` counts prefill forwards: requests admitted together share one left-padded
+    forward whatever their prompt lengths (``kv_batch.prefill_plan``); requests trickling in one
+    per step while rows run (as agent calls do) each cost one (``benchmarks/agent_vs_env.py``
+    reports it). The model runs exactly the forwards counted, and every request's tokens and
+    log-probs equal its run alone."""
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        together = HFInferenceEngine(model, max_batch=16)
+        requests = [_req(f"a{i}", [1 + i, 2, 3, 4][: 1 + i % 4], seed=i, temperature=1.0) for i in range(8)]
+        completions = _run(together, requests)
+    finally:
+        hook.remove()
+    assert together.stats()["prefills"] == 1  # one admission, four prompt lengths
+    assert len(forwards) == 1 + together.stats()["steps"]  # the prefill, then one decode forward per step
+    for request, completion in zip(requests, completions, strict=True):
+        alone = _alone(model, request)
+        assert completion.token_ids == alone.token_ids, request.request_id
+        assert completion.logprobs == pytest.approx(alone.logprobs, abs=1e-4), request.request_id
     trickled = HFInferenceEngine(model, max_batch=16)
     futures = [trickled.submit(_req("long", [1, 2, 3], n=20, seed=1))]
     for i in range(5):
@@ -304,3 +317,48 @@ def test_rows_joining_wider_than_the_cache_after_others_left_read_no_stale_colum
         alone, batched = _alone(model, request), future.result()
         assert batched.token_ids == alone.token_ids, request.request_id
         assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4), request.request_id
+
+
+def test_a_left_padded_prefill_leaves_zero_masked_pad_columns(model: LlamaForCausalLM) -> None:
+    """Prompts of different lengths share one forward: the shorter one's pad columns are masked
+    and hold zeros in the cache (the slab's invariant for columns nobody reads), and each row's
+    logits equal its own unpadded prefill's."""
+    from sluice.engines.kv_batch import prefill
+
+    with torch.inference_mode():
+        cache, mask, logits, computed = prefill(model, [(5, 6, 7, 8), (9, 10), (5, 6, 7, 8)])
+        alone = [prefill(model, [p])[2] for p in [(5, 6, 7, 8), (9, 10)]]
+    assert mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]] and computed == 6
+    for layer in cache.layers:
+        assert not layer.keys[1, :, :2].any() and not layer.values[1, :, :2].any()
+        assert layer.keys[1, :, 2:].abs().sum() > 0
+    assert torch.allclose(logits[0], alone[0][0], atol=1e-5) and torch.allclose(logits[1], alone[1][0], atol=1e-5)
+    assert torch.equal(logits[0], logits[2])
+
+
+@pytest.mark.parametrize("wider", [False, True])  # the next wave fits the spare slab / needs a new one
+def test_a_wave_reuses_the_slab_of_the_last_and_computes_the_same_bits(model: LlamaForCausalLM, wider: bool) -> None:
+    """Rows that stop running leave their KV slab to the next admission (no fresh zeroed memory per
+    sync wave); its stale rows and columns are never read, so the next wave's tokens and log-probs
+    are bit for bit a fresh engine's."""
+    first = [_req(f"a{i}", [1 + i, 2, 3, 4, 5][: 2 + i % 4], n=3 + i, seed=i, temperature=1.0) for i in range(6)]
+    width = 30 if wider else 4
+    second = [_req(f"b{i}", [7, 1 + i, 2, 9, 4][: 1 + i % 4] * (width // 4), n=9, seed=20 + i) for i in range(5)]
+    engine = HFInferenceEngine(model, max_batch=8)
+    _run(engine, first)
+    spare = engine._spare
+    assert spare is not None
+    seen = []
+    step = engine.step
+
+    def watch() -> None:
+        step()
+        if engine._rows is not None:
+            seen.append(engine._rows.slab.bufs[0].data_ptr())
+
+    engine.step = watch  # type: ignore[method-assign]
+    again = _run(engine, second)
+    assert (seen[0] == spare.bufs[0].data_ptr()) is not wider
+    fresh = _run(HFInferenceEngine(model, max_batch=8), second)
+    for a, b in zip(again, fresh, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

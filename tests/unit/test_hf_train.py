@@ -137,6 +137,25 @@ def test_save_load_roundtrip(tmp_path) -> None:
         assert torch.equal(v, saved[k]), k
 
 
+def test_the_cpu_update_runs_over_all_parameters_at_once_with_the_same_bits(tmp_path) -> None:
+    """On CPU, AdamW and the gradient clip run torch's multi-tensor (``foreach``) kernels, also
+    after a resume (the saved groups replace the engine's), and give the bits the default
+    one-parameter-at-a-time update gives."""
+    samples = make_samples(6, seed=4)
+    fast, slow = HFTrainEngine(tiny_model(), lr=1e-2), HFTrainEngine(tiny_model(), lr=1e-2)
+    slow.optimizer = torch.optim.AdamW(slow._params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0, foreach=False)
+    assert fast.optimizer.param_groups[0]["foreach"] is True
+    for _ in range(2):
+        batches = step_batches(fast, samples, [2, 4])
+        norms = [run_step(e, batches, GRPOAlgorithm(), normaliser=1.0)["grad_norm"] for e in (fast, slow)]
+        assert norms[0] == norms[1]
+    for a, b in zip(fast.export_weights().values(), slow.export_weights().values(), strict=True):
+        assert torch.equal(a, b)
+    slow.save(str(tmp_path))
+    fast.load(str(tmp_path))
+    assert fast.optimizer.param_groups[0]["foreach"] is True
+
+
 def test_the_log_prob_gap_is_measured_on_the_steps_first_micro_batch() -> None:
     """``logprob_gap_mean`` / ``_max``: |behaviour − trainer| log-probs over the first micro-batch's
     loss tokens, before the update (samples whose behaviour log-probs are the engine's own plus

@@ -60,7 +60,7 @@ def test_a_sessions_next_turn_computes_only_its_new_tokens(model: LlamaForCausal
     assert r["session_hits"] == 12 and r["session_kept"] == 18  # turns 2 and 3 of six episodes
     assert r["prefill_tokens"] + r["session_hit_tokens"] == f["prefill_tokens"]
     assert r["prefill_tokens"] < f["prefill_tokens"] / 2
-    assert r["prefills"] == 6 + 2  # first turns: one forward per prompt length; later turns: one each
+    assert r["prefills"] == 1 + 2  # first turns: one left-padded forward; later turns: one each
 
 
 def test_a_weight_load_between_turns_prefills_the_whole_context(model: LlamaForCausalLM) -> None:

@@ -46,7 +46,7 @@ from sluice.api.protocols import WeightUpdateMode
 from sluice.api.types import Completion, FinishReason, GenerationRequest
 from sluice.engines.arrival_hold import ArrivalHold
 from sluice.engines.hf_model import check_state_names, load_causal_lm, stage_weights
-from sluice.engines.kv_batch import Rows, prefill
+from sluice.engines.kv_batch import Rows, Slab, prefill, prefill_plan
 from sluice.engines.sampling import sample_tokens, seed_key, uniforms
 from sluice.engines.session_cache import SessionCache, continue_prefill
 
@@ -102,6 +102,7 @@ class HFInferenceEngine:
         self._waiting: deque[_Seq] = deque()
         self._submitted = 0
         self._rows: Rows | None = None
+        self._spare: Slab | None = None  # the KV slab of rows no longer running: the next wave's
         self._by_id: dict[str, _Seq] = {}
         self._abort_ids: set[str] = set()
         self._paused = False
@@ -272,7 +273,7 @@ class HFInferenceEngine:
 
     def _admit(self) -> None:
         """Admit waiting requests into free slots, in batches: each admission costs prefill forwards
-        (one per prompt length) and a write into the slab, so admission waits until a quarter of
+        (``kv_batch.prefill_plan``) and a write into the slab, so admission waits until a quarter of
         the slots (or every waiting request) fits, unless nothing is running. Step-driven, so still
         deterministic."""
         running = len(self._rows.seqs) if self._rows is not None else 0
@@ -287,20 +288,26 @@ class HFInferenceEngine:
         for seqs, (cache, mask, logits, computed) in self._prefills(new):
             self._counts["prefill_tokens"] += computed
             keys = [seed_key(s.request.seed) for s in seqs]
-            fresh = Rows.start(seqs, [s.request.params for s in seqs], keys, cache, mask)
+            spare, self._spare = self._spare, None
+            fresh = Rows.start(seqs, [s.request.params for s in seqs], keys, cache, mask, spare)
             done, stopped = self._advance(fresh, logits)
             kept = self._retire(fresh, done, stopped)
-            if kept is not None:
-                self._rows = kept if self._rows is None else self._rows.extend(kept)
+            if kept is not None and self._rows is not None:
+                self._rows = self._rows.extend(kept)
+                self._spare = kept.slab  # copied into the running rows' slab
+            elif kept is not None:
+                self._rows = kept
 
     def _prefills(self, new: list[_Seq]) -> list[tuple[list[_Seq], tuple[Any, Tensor, Tensor, int]]]:
         """Prefill forwards for ``new``: prompts extending their session's kept turn compute only
-        their new tokens (one forward for all); the rest one forward per distinct prompt length."""
+        their new tokens (one forward for all); the rest share left-padded forwards
+        (``kv_batch.prefill_plan``: one for a wave of short prompts, whatever their lengths)."""
         turns = [self._sessions.take(s.request.session, s.request.prompt_ids) if self._sessions else None for s in new]
         hits = [(s, t) for s, t in zip(new, turns, strict=True) if t]
         fresh = [s for s, t in zip(new, turns, strict=True) if not t]
-        self._counts["prefills"] += len({len(s.request.prompt_ids) for s in fresh}) + bool(hits)  # forwards
-        parts = [(fresh, prefill(self.model, [s.request.prompt_ids for s in fresh]))] if fresh else []
+        prompts = [s.request.prompt_ids for s in fresh]
+        self._counts["prefills"] += len(prefill_plan(prompts)) + bool(hits)  # forwards
+        parts = [(fresh, prefill(self.model, prompts))] if fresh else []
         if hits:
             prompts = [s.request.prompt_ids for s, _ in hits]
             parts.append(([s for s, _ in hits], continue_prefill(self.model, [t for _, t in hits], prompts)))
@@ -352,7 +359,10 @@ class HFInferenceEngine:
             reason: FinishReason = "abort" if flag is None else "stop" if flag else "length"
             self._resolve(rows.seqs[i], tok[:n], lp[:n], ver[:n], reason)
         keep = (~done).nonzero().squeeze(1).tolist()
-        return rows.select(keep) if keep else None
+        if not keep:
+            self._spare = rows.slab  # nobody reads it any more: the next admission's
+            return None
+        return rows.select(keep)
 
     def _resolve(self, seq: _Seq, tokens: list, logprobs: list, versions: list, reason: FinishReason) -> None:
         rid = seq.request.request_id

@@ -1,17 +1,18 @@
 """Row-aligned batch state over one right-aligned KV cache, and the prefill that builds it.
 
 ``Rows`` holds everything the built-in engine tracks per running sequence (row ``i`` is
-``seqs[i]``): the KV cache and a 2-D mask of valid columns (both in a preallocated ``_Slab`` with
+``seqs[i]``): the KV cache and a 2-D mask of valid columns (both in a preallocated ``Slab`` with
 spare rows and columns, read by the model through a ``DynamicCache`` of ``_SlabLayer`` views), the
 next token to feed, position ids, sampling parameters, and the generated tokens / log-probs /
 versions so far. A decode step writes its column in place; rows leave by ``select`` (the last rows
 move into freed slots, leading columns nobody uses are dropped by moving an offset) and join by
 ``extend`` (written into free slots, right-aligned). Why: with ``DynamicCache`` concatenation and
 ``index_select`` every step copied the whole cache, which made continuous batching (rows leave and
-join all the time) slower than static batches. ``prefill`` runs each distinct token sequence once
-(equal lengths share one unpadded forward) and returns a plain cache whose rows follow the input
-order; the engine uses it for new prompts and, after an interrupting weight update, to rebuild the
-cache of running rows (prompt + tokens so far) under the new weights.
+join all the time) slower than static batches. ``prefill`` runs each distinct token sequence
+once (prompts of different lengths share one left-padded forward, ``prefill_plan``) and returns a
+plain cache whose rows follow the input order; the engine uses it for new prompts and, after an
+interrupting weight update, to rebuild the cache of running rows (prompt + tokens so far) under
+the new weights.
 
 Not here: scheduling, sampling and weight updates (``hf_inference.py``, ``sampling.py``); paged
 KV and sliding-window caches.
@@ -30,6 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from sluice.api.types import SamplingParams
+from sluice.engines.response_tokens import buckets_of
 
 _ROOM = 32  # spare columns per (re)allocation of the slab
 
@@ -39,7 +41,7 @@ def _cols(buf: Tensor, a: int, b: int) -> Tensor:
     return buf.narrow(2 if buf.dim() == 4 else 1, a, b - a)
 
 
-class _Slab:
+class Slab:
     """Preallocated keys / values of every layer plus the mask, with spare rows and columns; rows
     ``:n`` hold columns ``start:end``. Why: ``DynamicCache`` concatenates (copies the whole cache) on
     every decode step, and rows leaving or joining copied it again; on a small model those copies
@@ -48,12 +50,30 @@ class _Slab:
     columns nobody uses only moves ``start``. Buffers are zero-initialised and only ever hold
     finite values, so masked columns contribute exactly nothing to attention."""
 
-    def __init__(self, tensors: list[Tensor], rows: int) -> None:
+    def __init__(self, tensors: list[Tensor], rows: int, spare: Slab | None = None) -> None:
         n, cols = tensors[-1].shape
         self.n, self.start, self.end = n, 0, cols
-        self.bufs = [self._alloc(t, max(rows, n), cols + _ROOM) for t in tensors]
+        need = (max(rows, n), cols + _ROOM)
+        if spare is not None and spare.fits(tensors, *need):  # no fresh zeroed pages per wave
+            self.bufs = spare.bufs
+        else:
+            self.bufs = [self._alloc(t, *need) for t in tensors]
         for buf, t in zip(self.bufs, tensors, strict=True):
             _cols(buf, 0, cols)[:n].copy_(t)
+
+    def fits(self, tensors: list[Tensor], rows: int, cols: int) -> bool:
+        """Whether these buffers can hold a new slab of ``tensors`` with ``rows`` × ``cols`` room.
+        A slab nobody reads any more is reused as is: its stale rows and columns are never read
+        before they are written (the first columns by ``__init__``, later ones by a decode step,
+        exposed ones zeroed by ``reserve``, joining rows' by ``Rows.extend``), so a reused slab
+        computes the same bits as fresh zeros. Why: a wave's new slab of fresh zeroed memory
+        (~50 MB at 256 rows) cost page faults every sync step."""
+        if len(tensors) != len(self.bufs) or rows > self.bufs[-1].shape[0] or cols > self.bufs[-1].shape[-1]:
+            return False
+        same = (b.dtype == t.dtype and b.device == t.device for b, t in zip(self.bufs, tensors, strict=True))
+        pairs = zip(self.bufs[:-1], tensors[:-1], strict=True)
+        kv = (b.shape[1:-2] == t.shape[1:-2] and b.shape[-1] == t.shape[-1] for b, t in pairs)
+        return all(same) and all(kv)
 
     @staticmethod
     def _alloc(like: Tensor, rows: int, cols: int) -> Tensor:
@@ -84,10 +104,10 @@ class _Slab:
 
 
 class _SlabLayer(DynamicLayer):
-    """One layer's view of a ``_Slab``: ``update`` writes the new column(s) in place after ``end``
+    """One layer's view of a ``Slab``: ``update`` writes the new column(s) in place after ``end``
     (the engine reserved them) and returns views; the engine advances ``end`` after the forward."""
 
-    def __init__(self, slab: _Slab, k: int, v: int) -> None:  # no super(): keys / values are views
+    def __init__(self, slab: Slab, k: int, v: int) -> None:  # no super(): keys / values are views
         self.slab, self.kv, self.is_initialized = slab, (k, v), True
 
     @property
@@ -109,10 +129,11 @@ class _SlabLayer(DynamicLayer):
         return self.slab.end - self.slab.start
 
 
-def _to_slab(cache: DynamicCache, mask: Tensor, rows: int) -> tuple[DynamicCache, _Slab]:
-    """Copy a plain (prefill) cache into a new slab with ``rows`` row slots; a cache reading it."""
+def _to_slab(cache: DynamicCache, mask: Tensor, rows: int, spare: Slab | None = None) -> tuple[DynamicCache, Slab]:
+    """Copy a plain (prefill) cache into a new slab with ``rows`` row slots (in ``spare`` 's buffers
+    when they fit); a cache reading it."""
     layers = len(cache.layers)
-    slab = _Slab([*(c.keys for c in cache.layers), *(c.values for c in cache.layers), mask], rows)
+    slab = Slab([*(c.keys for c in cache.layers), *(c.values for c in cache.layers), mask], rows, spare)
     cache.layers = [_SlabLayer(slab, i, layers + i) for i in range(layers)]
     return cache, slab
 
@@ -123,7 +144,7 @@ class Rows:
 
     seqs: list[Any]
     cache: DynamicCache  # per layer keys / values [rows, kv_heads, cols, head_dim], views of `slab`
-    slab: _Slab
+    slab: Slab
     last: Tensor  # [rows] token to feed next
     pos: Tensor  # [rows] position id of `last` (= the row's tokens in the cache)
     key: Tensor  # [rows] hash key from the request seed
@@ -141,9 +162,16 @@ class Rows:
 
     @classmethod
     def start(
-        cls, seqs: list[Any], params: list[SamplingParams], keys: list[int], cache: DynamicCache, mask: Tensor
+        cls,
+        seqs: list[Any],
+        params: list[SamplingParams],
+        keys: list[int],
+        cache: DynamicCache,
+        mask: Tensor,
+        spare: Slab | None = None,
     ) -> Rows:
-        """Fresh rows whose prompts fill ``cache`` / ``mask`` [rows, cols]; nothing generated yet."""
+        """Fresh rows whose prompts fill ``cache`` / ``mask`` [rows, cols]; nothing generated yet.
+        ``spare``: the slab of rows no longer running, reused when it fits (``Slab.fits``)."""
         n, device = len(seqs), mask.device
         stops = max(1, *(len(p.stop_token_ids) for p in params))
         width = max(p.max_new_tokens for p in params)
@@ -153,7 +181,7 @@ class Rows:
 
         return cls(
             seqs=list(seqs),
-            **dict(zip(("cache", "slab"), _to_slab(cache, mask, n), strict=True)),
+            **dict(zip(("cache", "slab"), _to_slab(cache, mask, n, spare), strict=True)),
             last=new([0] * n),
             pos=mask.sum(1),
             key=new(keys),
@@ -162,9 +190,9 @@ class Rows:
             temp=new([p.temperature for p in params], torch.float32),
             top_p=new([p.top_p for p in params], torch.float64),
             stop=new([[*p.stop_token_ids, *[-1] * (stops - len(p.stop_token_ids))] for p in params]),
-            out_tok=new([[0] * width] * n),
-            out_lp=new([[0.0] * width] * n, torch.float32),
-            out_ver=new([[0] * width] * n),
+            out_tok=torch.zeros((n, width), dtype=torch.long, device=device),
+            out_lp=torch.zeros((n, width), dtype=torch.float32, device=device),
+            out_ver=torch.zeros((n, width), dtype=torch.long, device=device),
         )
 
     @property
@@ -235,28 +263,55 @@ class Rows:
         return self
 
 
+PREFILL_TOKENS = 16384
+"""Positions (rows × longest prompt) one prefill forward may take: prompts of different lengths
+share a left-padded forward up to this many (``prefill_plan``)."""
+
+
+def prefill_plan(sequences: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """The forwards ``prefill`` runs: each distinct sequence once, length-sorted (ties in first
+    appearance), cut where ``rows × longest`` would pass ``PREFILL_TOKENS`` (a longer one alone).
+    Why: on a small model a forward costs its per-layer dispatch whatever its rows, so one forward
+    per distinct length (the sync step's ~12) cost more than the padding one forward adds."""
+    distinct = list(dict.fromkeys(tuple(s) for s in sequences))
+    return [[distinct[i] for i in part] for part in buckets_of([len(s) for s in distinct], PREFILL_TOKENS)]
+
+
 def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tuple[DynamicCache, Tensor, Tensor, int]:
-    """Run each distinct sequence once; equal lengths share one unpadded forward.
+    """Run each distinct sequence once, in the forwards of ``prefill_plan`` (shorter ones
+    left-padded, their pad columns masked, zeroed in the cache and given position 0).
 
     Returns ``(cache, mask, logits, computed)``: a right-aligned cache with one row per input
     sequence (input order; keys / values [rows, kv_heads, cols, head_dim]), its mask [rows, cols],
     the logits after each sequence's last token [rows, V], and the number of tokens computed.
     """
     device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(tuple(s) for s in sequences))
     caches: list[DynamicCache] = []
     logits: list[Tensor] = []
     order: list[tuple[int, ...]] = []
-    for length in sorted({len(s) for s in distinct}):
-        group = [s for s in distinct if len(s) == length]
-        ids = torch.tensor(group, dtype=torch.long, device=device)  # [group, length]
-        positions = torch.arange(length, device=device).expand(len(group), length)
+    for group in prefill_plan(sequences):
+        width = max(map(len, group))
+        rows_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in group], device=device)
+        ids = torch.tensor([[0] * (width - len(s)) + list(s) for s in group], dtype=torch.long, device=device)
+        positions = (rows_mask.cumsum(1) - 1).clamp(min=0)  # [group, width]
+        padded = bool((rows_mask == 0).any())
         cache = DynamicCache()
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=rows_mask if padded else None,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        if padded:  # pad columns: masked from now on, and zero like the slab's unused columns
+            keep = rows_mask.bool()[:, None, :, None]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.where(keep, 0.0), layer.values.where(keep, 0.0)
         caches.append(cache)
         logits.append(out.logits[:, -1])
         order.extend(group)
-    cols = len(order[-1])
+    cols = max(map(len, order))
     merged = caches[0]
     for i, layer in enumerate(merged.layers):
         for attr in ("keys", "values"):
@@ -267,4 +322,4 @@ def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tup
     share = torch.tensor([row_of[tuple(s)] for s in sequences], device=device)
     for layer in merged.layers:
         layer.keys, layer.values = layer.keys.index_select(0, share), layer.values.index_select(0, share)
-    return merged, mask.index_select(0, share), torch.cat(logits).index_select(0, share), sum(map(len, distinct))
+    return merged, mask.index_select(0, share), torch.cat(logits).index_select(0, share), sum(map(len, order))
