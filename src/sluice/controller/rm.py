@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from sluice.config import SluiceConfig
-from sluice.controller.supervised import RunLog, context_length, resume_step, run_ranks, run_steps
+from sluice.controller.supervised import RunLog, context_length, leave_if_spawned, resume_step, run_ranks, run_steps
 from sluice.data import DatasetError, read_rows
 from sluice.data.preferences import PreferenceRenderer
 from sluice.engines.hf_model import load_scalar_model, load_tokenizer, on_device, slow_bf16_reason
@@ -168,4 +168,5 @@ def _run_rank(
         cfg, engine, data.tokenizer, (resumed, steps), train_step, evaluate if due else None, log_to, group
     )
     minutes = (time.monotonic() - started) / 60
+    leave_if_spawned(rank)  # a spawned rank ends here, its process group still alive
     return RmResult(steps, minutes, final, scores.get("val_accuracy"), data.filtered, resumed)

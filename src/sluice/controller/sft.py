@@ -35,6 +35,7 @@ from sluice.controller.sft_eval import SftEvaluation
 from sluice.controller.supervised import (
     RunLog,
     context_length,
+    leave_if_spawned,
     resume_step,
     run_ranks,
     run_steps,
@@ -134,6 +135,7 @@ def _run_rank(
     evaluate = (lambda step: evaluation(engine, step)) if evaluation.enabled else None
     final, scores = run_steps(cfg, engine, data.tokenizer, (resumed, steps), train_step, evaluate, log_to, group)
     minutes = (time.monotonic() - started) / 60
+    leave_if_spawned(rank)  # a spawned rank ends here, its process group still alive
     return SftResult(steps, minutes, final, scores.get("val_loss"), scores.get("accuracy"), data.filtered, resumed)
 
 

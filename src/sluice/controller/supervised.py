@@ -70,10 +70,22 @@ def run_ranks(cfg: SluiceConfig, run_rank: RankRun[Result], progress: TrainProgr
     return result
 
 
+def leave_if_spawned(rank: int) -> None:
+    """The end of a spawned rank's run, called while its objects still live: the process exits
+    at once. Freeing them could deadlock in ``torch.distributed``'s teardown: dropping a DDP
+    model frees its gloo process group, whose destructor joins the group's threads holding the
+    GIL while one of them waits for the GIL to drop a finished collective's tensor (``sluice rm``'s
+    DDP ranks hung so, after their last step); rank 0 waits for this process to end."""
+    if rank != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def _other_rank(run_rank: RankRun[Any], cfg: SluiceConfig, rank: int, world: int, address: str) -> None:
-    """A spawned rank's run, then an immediate exit: once the process group is gone, tearing down
-    the interpreter could block in a ``torch.distributed`` object's destructor (seen with DDP), and
-    rank 0 waits for this process to end."""
+    """A spawned rank's run (which ends in ``leave_if_spawned``), or its error and an immediate
+    exit: once the process group is gone, tearing down the interpreter could block in a
+    ``torch.distributed`` object's destructor, and rank 0 waits for this process to end."""
     code = 0
     try:
         run_rank(cfg, (address, world), None, rank)
