@@ -135,6 +135,7 @@ class StorageActor:
         self._partitions: dict[int, int] = {}
         self._ledger = ConsumptionLedger() if free_consumed else None
         self._written = [0, 0]  # rows, and the bytes of their packed columns
+        self._forgets: list[Any] = []  # forget calls sent, maybe not yet applied (``stats`` waits)
 
     def create_controller(self, task: str, input_columns: list[str]) -> Any:
         """Start the task's controller once; later calls must name the same columns."""
@@ -231,8 +232,10 @@ class StorageActor:
             handles = list(self._controllers.values())
             if via_shm and self._arena is not None:
                 data, _ = shm.to_wire(data, self._arena)
-        for h in handles if freed else []:
-            h.forget.remote(freed)  # only shrinks the controllers' consumed sets: no need to wait
+        sent = [h.forget.remote(freed) for h in (handles if freed else [])]  # reads need not wait
+        if sent:
+            with self._lock:
+                self._forgets = _unfinished(self._forgets) + sent
         return data
 
     def release(self, slots: list[int]) -> None:
@@ -266,13 +269,22 @@ class StorageActor:
                 self._ledger.restore(state["ledger"])
 
     def stats(self) -> dict[str, Any]:
-        """What the unit holds now, what it was written in all, and its process's CPU seconds."""
+        """What the unit holds now, what it was written in all, and its process's CPU seconds; the
+        controllers have applied every row this unit freed (their stats, asked next, agree)."""
+        with self._lock:
+            pending, self._forgets = self._forgets, []
+        if pending:  # a dead controller's call counts as finished: stats never raise for it
+            ray.wait(pending, num_returns=len(pending), timeout=10.0)
         with self._lock:
             rows, size = self._written
             return {**self._unit.stats(), "rows_written": rows, "bytes_written": size, "cpu_s": time.process_time()}
 
     def heartbeat(self) -> float:
         return time.process_time()  # in the HEALTH group, never behind the lock
+
+
+def _unfinished(refs: list[Any]) -> list[Any]:
+    return ray.wait(refs, num_returns=len(refs), timeout=0)[1] if refs else []
 
 
 _Controller: Any = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_THREADS, concurrency_groups={HEALTH: 1})(  # type: ignore[call-overload]
