@@ -39,12 +39,13 @@ import time
 from pathlib import Path
 
 import torch
+from harness.recall import top_share_recall
 from harness.skew_plan import DispatchPlan, StepTime, knee_step_time, replica_makespan, skewness_aware_dispatch
 
 from sluice.api import GenerationRequest, LengthPredictor, SamplingParams
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm, load_tokenizer
-from sluice.rollout.length_ranker import lpt_order, top_share_recall
+from sluice.rollout.length_ranker import lpt_order
 from sluice.rollout.model_ranker import SequenceLengthRanker
 from sluice.rollout.single_turn import sample_seed
 from sluice.rollout.worker import LENGTH_RANKERS

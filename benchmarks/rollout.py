@@ -47,12 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.engine_runs import long_tail_requests, run_builtin, run_hf_generate, run_vllm, throughput_row
+from harness.recall import top_share_recall
 
 from sluice.api import LengthPredictor, PromptItem
 from sluice.controller.loop import Controller
 from sluice.controller.push import PushAdmission
 from sluice.rollout.filters import zero_signal
-from sluice.rollout.length_ranker import OnlineLengthRanker, top_share_recall
+from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.single_turn import sample_seed
 from sluice.rollout.skew_dispatch import LongTailSplit
 from sluice.schedule.ledger import GroupLedger

@@ -19,9 +19,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.sandbox_run import run_sandboxed
+
 from sluice.rewards.code_exec import CodeExecReward, extract_code
 from sluice.rewards.pool import RewardPool
-from sluice.rewards.sandbox import SandboxLimits, run_sandboxed
+from sluice.rewards.sandbox import SandboxLimits
 
 RESPONSE = "```python\ndef add(a, b):\n    return a + b\n```"
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15"

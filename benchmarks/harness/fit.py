@@ -7,17 +7,19 @@
 - ``refine(cost, ...)``: turns the fitted numbers into the ``Efficiency`` of a ``CostModel`` so
   the analytic model reproduces the measurement and extrapolates to other shapes and counts.
 
-It measures nothing itself (``benchmarks/planner_validation.py`` and ``measure_host`` do).
+``measure_host`` measures this host's matmul FLOP/s and copy bandwidth as a ``DeviceSpec`` (the
+``cpu`` preset's numbers); the phase times come from ``benchmarks/planner_validation.py``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sluice.sim.cost_model import CostModel, analytic_memory_bound_s
+from sluice.sim.cost_model import DEVICES, CostModel, DeviceSpec, analytic_memory_bound_s
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,27 @@ def refine(
         mfu = 6.0 * cost.model.params / (cost.device.peak_flops * train_devices * per_token)
         eff = replace(eff, train_flops=mfu, microbatch_overhead_s=max(train.intercept, 0.0))
     return replace(cost, eff=eff)
+
+
+def measure_host(seconds: float = 0.5) -> DeviceSpec:
+    """Measure this host's FP32 matmul FLOP/s and copy bandwidth (one thread each, best of a
+    few tries) and return it as a ``DeviceSpec`` (memory and price from the ``cpu`` preset)."""
+    import torch
+
+    a = torch.randn(512, 512)
+    flops = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(8):
+            a @ a
+        flops = max(flops, 8 * 2 * 512**3 / (time.perf_counter() - start))
+    src = torch.empty(32 * 1024**2, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    bw = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        dst.copy_(src)
+        bw = max(bw, 2 * src.numel() / (time.perf_counter() - start))  # read + write
+    return replace(DEVICES["cpu"], peak_flops=flops, mem_bw=bw)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness.fit import fit_decode, fit_linear, refine
+from harness.fit import fit_decode, fit_linear, measure_host, refine
 
-from sluice.sim.cost_model import DEVICES, MODELS, CostModel, Efficiency, measure_host, trainer_cost
+from sluice.sim.cost_model import DEVICES, MODELS, CostModel, Efficiency, trainer_cost
 from sluice.sim.engine import LengthModel
 
 LENGTHS = LengthModel(median=500, prompt_sigma=0.5, sample_sigma=0.5)

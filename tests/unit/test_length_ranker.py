@@ -4,10 +4,11 @@ import heapq
 import random
 
 import pytest
+from harness.recall import top_share_recall
 from harness.skew_plan import knee_batch, knee_step_time, replica_makespan, skewness_aware_dispatch
 
 from sluice.api import LengthPredictor
-from sluice.rollout.length_ranker import OnlineLengthRanker, long_tail, lpt_order, top_share_recall
+from sluice.rollout.length_ranker import OnlineLengthRanker, long_tail, lpt_order
 
 
 def _mean_length(ids):

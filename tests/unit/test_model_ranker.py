@@ -5,8 +5,9 @@ samples and ranks the long tail far better than the ridge ranker's bag of tokens
 import random
 
 import pytest
+from harness.recall import top_share_recall
 
-from sluice.rollout.length_ranker import OnlineLengthRanker, top_share_recall
+from sluice.rollout.length_ranker import OnlineLengthRanker
 from sluice.rollout.model_ranker import SequenceLengthRanker
 
 

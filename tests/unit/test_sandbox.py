@@ -3,11 +3,12 @@
 import ast
 
 import pytest
+from harness.sandbox_run import run_sandboxed
 
 from host_probes import cgroups_available
 from sluice.rewards.code_exec import extract_code
 from sluice.rewards.jail import bwrap_problem
-from sluice.rewards.sandbox import SandboxLimits, SandboxUnavailable, network_isolation_available, run_sandboxed
+from sluice.rewards.sandbox import SandboxLimits, SandboxUnavailable, network_isolation_available
 
 needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")
 needs_cgroups = pytest.mark.skipif(not cgroups_available(), reason="no writable pids / memory cgroups here")

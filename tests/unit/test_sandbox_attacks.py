@@ -16,11 +16,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from harness.sandbox_run import run_sandboxed
 
 import sluice
 from host_probes import cgroups_available
 from sluice.rewards.jail import bwrap_problem
-from sluice.rewards.sandbox import SandboxLimits, network_isolation_available, run_sandboxed
+from sluice.rewards.sandbox import SandboxLimits, network_isolation_available
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")
 needs_weak = pytest.mark.skipif(not network_isolation_available(), reason="the weaker unshare mode does not run here")

@@ -3,12 +3,13 @@
 import asyncio
 
 import pytest
+from harness.sandbox_run import run_sandboxed
 
 from sluice.rewards import CodeExecReward
 from sluice.rewards.code_exec import plan_tests
 from sluice.rewards.code_wire import decode, encode
 from sluice.rewards.jail import bwrap_problem
-from sluice.rewards.sandbox import SandboxLimits, run_sandboxed
+from sluice.rewards.sandbox import SandboxLimits
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap sandbox: {bwrap_problem()}")
 

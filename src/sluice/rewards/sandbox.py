@@ -17,7 +17,7 @@ One sandboxed program is one ``bwrap`` process tree (walls in ``jail.py``):
   dies with it and the kernel kills every process left in the namespace, ``setsid``
   escapees included; then every member of the cgroups is SIGKILLed.
 
-Where bubblewrap cannot run, ``run_sandboxed`` raises ``SandboxUnavailable`` (``require_sandbox``
+Where bubblewrap cannot run, ``python_argv`` raises ``SandboxUnavailable`` (``require_sandbox``
 checks up front) unless the weaker mode was chosen by name, ``isolation="unshare"``: a private
 network namespace only (``unshare -rn``), no filesystem jail, no process bound, signals reach the
 host's processes.
@@ -35,7 +35,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,29 +158,6 @@ def python_argv(script: str, args: list[str], limits: SandboxLimits, files: dict
     _require_bwrap()
     jail = bwrap_argv(files, share_net=limits.network == "allow", tmp_bytes=limits.memory_mb << 20)
     return [*jail, python_runtime().executable, "-I", "-S", "-c", _LAUNCHER, *rlimits, script, *args]
-
-
-def run_sandboxed(source: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run ``source`` as ``/tmp/main.py`` in a fresh sandbox under ``limits``."""
-    check_limits(limits)
-    workdir = Path(tempfile.mkdtemp(prefix="sluice-sandbox-"))  # 0700, holds the host's side only
-    try:
-        (workdir / "main.py").write_text(source)
-        (workdir / "cwd").mkdir()
-        argv = python_argv("/tmp/main.py", [], limits, {"/tmp/main.py": workdir / "main.py"}, workdir / "cwd")
-        out_path, err_path = workdir / "stdout", workdir / "stderr"
-        started = time.monotonic()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            jailed = Jailed(argv, limits, out, err, ())
-            try:
-                timed_out = jailed.wait(started + limits.wall_s)
-            finally:
-                jailed.stop()
-        status = jailed.status(timed_out, out_path, err_path, limits.output_kb << 10)
-        wall = time.monotonic() - started
-        return SandboxResult(status, jailed.process.returncode, output_tail(out_path), output_tail(err_path), wall)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def check_limits(limits: SandboxLimits) -> None:

@@ -7,8 +7,7 @@
   model is the light default, and the Protocol lets a stronger one replace it.
 - ``lpt_order``: longest-predicted-first (LPT) order, the dispatch order that keeps one long
   sample from starting last and holding up the step.
-- ``long_tail``: the predicted top share (StreamRL's k = 20 %), and ``top_share_recall``, the
-  metric StreamRL reports for its ranker (Table 4).
+- ``long_tail``: the predicted top share (StreamRL's k = 20 %).
 
 Routing the predicted long tail to dedicated replicas is ``rollout/skew_dispatch.py``. This
 module sees token ids and lengths only; it never generates or routes anything.
@@ -17,7 +16,6 @@ module sees token ids and lengths only; it never generates or routes anything.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,20 +92,3 @@ def long_tail(predicted: Sequence[float], share: float = 0.2) -> list[int]:
     if not 0.0 < share <= 1.0:
         raise ValueError(f"long-tail share must be in (0, 1], got {share}")
     return lpt_order(predicted)[: math.ceil(share * len(predicted))]
-
-
-def top_share_recall(predicted: Sequence[float], actual: Sequence[float], share: float = 0.2, seed: int = 0) -> float:
-    """|predicted top share ∩ true top share| / |true top share| (StreamRL Table 4's recall).
-
-    Lengths are integers with many ties; ties on either side are broken at random (``seed``),
-    so a ranker that predicts one constant scores ``share`` in expectation, like a random one.
-    """
-    if len(predicted) != len(actual) or not actual:
-        raise ValueError(f"need equally many predictions and lengths, got {len(predicted)} and {len(actual)}")
-    k = math.ceil(share * len(actual))
-    rng = random.Random(seed)
-    jitter = [rng.random() for _ in actual]
-    top = set(sorted(range(len(actual)), key=lambda i: (-actual[i], jitter[i]))[:k])
-    rng.shuffle(jitter)
-    guessed = sorted(range(len(predicted)), key=lambda i: (-predicted[i], jitter[i]))[:k]
-    return len(top.intersection(guessed)) / k

@@ -15,7 +15,7 @@ shape on a device, scaled by efficiencies that a short real measurement fits (``
 Device presets give peak dense BF16 FLOP/s, memory bandwidth, memory and an hourly price (list
 prices of late 2025 clouds, rounded; override them for your contract) so heterogeneous pairs
 (StreamRL: generation on H20, training on H800) are compared by throughput per dollar. The CPU
-preset was measured on the project machine (``measure_host``).
+preset was measured on the project machine (``benchmarks/harness/fit.py: measure_host``).
 
 It does not schedule anything (``sim.simulate`` runs the pipeline) or model tensor-parallel
 communication beyond dividing by the devices of a replica.
@@ -23,8 +23,7 @@ communication beyond dividing by the devices of a replica.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sluice.sim.engine import LengthModel, SimEngineConfig
 
@@ -85,7 +84,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "A100": DeviceSpec("A100", 312e12, 2.0e12, 80 * GB, 1.3),
     "H20": DeviceSpec("H20", 148e12, 4.0e12, 96 * GB, 1.0),
     "910B": DeviceSpec("910B", 313e12, 1.6e12, 64 * GB, 1.2, link_bw=25e9),
-    # Measured on the project machine (2 cores, FP32 matmul and a large copy, measure_host()).
+    # Measured on the project machine (2 cores, FP32 matmul and a large copy: harness/fit.py's measure_host).
     "cpu": DeviceSpec("cpu", 1.04e11, 3.8e10, 8 * GB, 0.05, link_bw=4e9),
 }
 
@@ -225,27 +224,3 @@ def _lognormal_mean_factor(lengths: LengthModel) -> float:
     import math
 
     return math.exp(0.5 * (lengths.prompt_sigma**2 + lengths.sample_sigma**2))
-
-
-def measure_host(seconds: float = 0.5) -> DeviceSpec:
-    """Measure this host's FP32 matmul FLOP/s and copy bandwidth (one thread each, best of a
-    few tries) and return it as a ``DeviceSpec`` (memory and price from the ``cpu`` preset)."""
-    import torch
-
-    a = torch.randn(512, 512)
-    flops = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        for _ in range(8):
-            a @ a
-        flops = max(flops, 8 * 2 * 512**3 / (time.perf_counter() - start))
-    src = torch.empty(32 * 1024**2, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    bw = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        dst.copy_(src)
-        bw = max(bw, 2 * src.numel() / (time.perf_counter() - start))  # read + write
-    return replace(DEVICES["cpu"], peak_flops=flops, mem_bw=bw)
