@@ -25,6 +25,8 @@ from rich.console import Console
 from sluice.config import ConfigError, SluiceConfig, dump_config, load_config
 
 if TYPE_CHECKING:
+    from sluice.controller.rm import RmResult
+    from sluice.controller.sft import SftResult
     from sluice.rollout.evaluate import EvalScores
     from sluice.tasks.spec import TaskSpec
 
@@ -103,21 +105,18 @@ def _add_examples(commands: dict[str, argparse.ArgumentParser]) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    train = sub.add_parser("train", help="run training")
-    train.add_argument(
-        "args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]",
-        help="config files merged in order (a later file's keys win), then the overrides",
-    )  # fmt: skip
-    train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    train.set_defaults(func=_train)
-    sft = sub.add_parser("sft", help="supervised fine-tuning (the warm start before train)")
-    sft.add_argument("args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]")
-    sft.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    sft.set_defaults(func=_sft)
-    rm = sub.add_parser("rm", help="train a scalar reward model on preference pairs (reward.model takes it)")
-    rm.add_argument("args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]")
-    rm.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    rm.set_defaults(func=_rm)
+    for name, what, run in (
+        ("train", "run training", _train),
+        ("sft", "supervised fine-tuning (the warm start before train)", _supervised),
+        ("rm", "train a scalar reward model on preference pairs (reward.model takes it)", _supervised),
+    ):
+        command = sub.add_parser(name, help=what)
+        command.add_argument(
+            "args", nargs="*", metavar="[CONFIG.yaml ...] [key=value ...] [resume=auto|PATH]",
+            help="config files merged in order (a later file's keys win), then the overrides",
+        )  # fmt: skip
+        command.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+        command.set_defaults(func=run, command=name)
     ev = sub.add_parser("eval", help="evaluate a model folder: greedy accuracy, mean@k / pass@k, per source")
     ev.add_argument("model_dir")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.samples=4 reward.name=...")
@@ -187,20 +186,9 @@ def _split_args(items: Sequence[str]) -> tuple[list[str], list[str]]:
     return paths, overrides
 
 
-def _run_config(args: argparse.Namespace, console: Console) -> SluiceConfig | None:
-    """``sft``'s config from ``CONFIG ... [key=value ...]``; ``None`` after ``--dry-run`` printed it."""
-    paths, overrides = _split_args(args.args)
-    cfg = load_config(paths, overrides)
-    if args.dry_run:
-        console.print(dump_config(cfg), end="", markup=False, highlight=False)
-        return None
-    return cfg
-
-
 def _train(args: argparse.Namespace) -> int:
     console = Console()
-    paths, overrides = _split_args(args.args)
-    cfg = load_config(paths, overrides)
+    cfg = load_config(*_split_args(args.args))
     task = _check_before_torch(cfg)
     if args.dry_run:
         from sluice.config.usage import unused_sections
@@ -241,51 +229,42 @@ def _run(cfg: SluiceConfig, console: Console, terminal: TextIO) -> int:
     return 0
 
 
-def _sft(args: argparse.Namespace) -> int:
+def _supervised(args: argparse.Namespace) -> int:
+    """``sluice sft`` / ``sluice rm`` (``args.command``): the config (``--dry-run`` prints it), the
+    checks before torch (a wrong key or model path costs a blink), the run and its summary."""
     console = Console()
-    cfg = _run_config(args, console)
-    if cfg is None:
+    cfg = load_config(*_split_args(args.args))
+    if args.dry_run:
+        console.print(dump_config(cfg), end="", markup=False, highlight=False)
         return 0
-    from sluice.preflight import check_sft
-
-    check_sft(cfg)  # before torch: a wrong key or model path costs a blink
     from sluice.engines.model_folder import check_model_dir
-
-    check_model_dir(cfg.model.path or "")
-    from sluice.controller.sft import run_sft
+    from sluice.preflight import check_rm, check_sft
     from sluice.telemetry import TrainProgress
 
-    with TrainProgress(0, "sft", cfg.run.progress, console) as bar:  # its total: once the rows are read
-        result = run_sft(cfg, progress=bar)
-    dropped = f"; {result.filtered} rows over sft.max_length dropped" if result.filtered else ""
-    console.print(f"steps {result.steps} in {result.minutes:.1f} min; final model {result.final_model_dir}{dropped}")
-    scores = [
-        f"{k} {v:.4f}" for k, v in (("val_loss", result.val_loss), ("accuracy", result.accuracy)) if v is not None
-    ]
-    print("  ".join(scores) if scores else "no evaluation (run.eval_every=0, or no data.val_files)", flush=True)
-    return 0
-
-
-def _rm(args: argparse.Namespace) -> int:
-    console = Console()
-    cfg = _run_config(args, console)
-    if cfg is None:
-        return 0
-    from sluice.preflight import check_rm
-
-    check_rm(cfg)  # before torch: a wrong key or model path costs a blink
-    from sluice.engines.model_folder import check_model_dir
-
+    sft = args.command == "sft"
+    (check_sft if sft else check_rm)(cfg)
     check_model_dir(cfg.model.path or "")
-    from sluice.controller.rm import run_rm
-    from sluice.telemetry import TrainProgress
+    result: SftResult | RmResult
+    with TrainProgress(0, args.command, cfg.run.progress, console) as bar:  # its total: once the rows are read
+        if sft:
+            from sluice.controller.sft import run_sft
 
-    with TrainProgress(0, "rm", cfg.run.progress, console) as bar:  # its total: once the pairs are read
-        result = run_rm(cfg, progress=bar)
-    dropped = f"; {result.filtered} pairs over rm.max_length dropped" if result.filtered else ""
-    console.print(f"steps {result.steps} in {result.minutes:.1f} min; reward model {result.final_model_dir}{dropped}")
-    accuracy = result.val_accuracy
-    print(f"val pairwise accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation (no data.val_files)")
+            result = run_sft(cfg, progress=bar)
+            named = (("val_loss", result.val_loss), ("accuracy", result.accuracy))
+            scores = "  ".join(f"{k} {v:.4f}" for k, v in named if v is not None)
+            scores = scores or "no evaluation (run.eval_every=0, or no data.val_files)"
+        else:
+            from sluice.controller.rm import run_rm
+
+            result = run_rm(cfg, progress=bar)
+            accuracy = result.val_accuracy
+            scores = (
+                f"val pairwise accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation (no data.val_files)"
+            )
+    rows, model = ("rows", "final model") if sft else ("pairs", "reward model")
+    dropped = f"; {result.filtered} {rows} over {args.command}.max_length dropped" if result.filtered else ""
+    console.print(f"steps {result.steps} in {result.minutes:.1f} min; {model} {result.final_model_dir}{dropped}")
+    print(scores, flush=True)
     return 0
 
 
