@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from sluice.schedule.rebalance import RebalanceEvent, Rebalancer, RebalanceRule
 from sluice.sim.engine import LengthModel
-from sluice.sim.simulate import CostedTrainerPipeline, SimConfig, SimResult, simulate
+from sluice.sim.simulate import CostedTrainerPipeline, SimConfig, SimResult, TracedSimEngine, simulate
 
 
 @dataclass(frozen=True)
@@ -55,16 +55,26 @@ def run_with_shift(
         rows.append(row)
         marks.update(t=now, busy=busy, train=pipeline.train_busy_s)
         if version == shift_at:
-            pipeline.engine_config = replace(pipeline.engine_config, lengths=lengths)
+            shifted = replace(pipeline.traced[0].config, lengths=lengths)
             for engine in pipeline.traced:
-                engine.config = pipeline.engine_config
+                engine.config = shifted
         if rebalance is not None and version > 1:  # as in a run, the first step (start-up) is not judged
             rebalancer = holder.setdefault("r", Rebalancer(rebalance))
             change = rebalancer.observe(version, row.step_s, generation, train, replicas)
             for _ in range(change):
-                await pipeline.proxy.add_replica(pipeline.new_engine())
+                await pipeline.proxy.add_replica(_new_engine(pipeline))
             if change < 0:
                 await pipeline.proxy.remove_replica(pipeline.proxy.replica_ids[-1])
 
     result = simulate(config, on_step)
     return RebalanceRun(result, rows, holder["r"].events if holder else [])
+
+
+def _new_engine(pipeline: CostedTrainerPipeline) -> TracedSimEngine:
+    """A replica to add at run time (``LLMProxy.add_replica``), traced and accounted, with the
+    replicas' current config (a step hook may have changed it, e.g. to lengthen responses)."""
+    config = pipeline.traced[0].config
+    engine = TracedSimEngine(config, pipeline.rollout_recorder, f"replica{len(pipeline.engines)}", pipeline.device)
+    pipeline.engines.append(engine)
+    pipeline.traced.append(engine)
+    return engine

@@ -108,14 +108,12 @@ def score_prompts(
 def _scores(rows: Sequence[tuple[PromptItem, float, list[float]]], k: int, threshold: float) -> EvalScores:
     n = max(len(rows), 1)
     greedy = [g for _, g, _ in rows]
-    if not k:
-        return EvalScores(len(rows), sum(g >= threshold for g in greedy) / n, sum(greedy) / n)
     return EvalScores(
         len(rows),
         sum(g >= threshold for g in greedy) / n,
         sum(greedy) / n,
-        mean_at_k=sum(sum(s) for _, _, s in rows) / (n * k),
-        pass_at_k=sum(any(r >= threshold for r in s) for _, _, s in rows) / n,
+        mean_at_k=sum(sum(s) for _, _, s in rows) / (n * k) if k else None,
+        pass_at_k=sum(any(r >= threshold for r in s) for _, _, s in rows) / n if k else None,
     )
 
 

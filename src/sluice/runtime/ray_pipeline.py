@@ -107,7 +107,6 @@ class RayWorkers(_Pipeline):
         replicas = self.placement.replica_options()
         feed = self.engine_weight_sync if isinstance(self.engine_weight_sync, EngineWorkersFeed) else None
         self.rollout_actor = rollout_cls.remote(**rollout_kwargs(spec, AsyncRayQueue(self.queue), replicas, feed))
-        self.rollout_restarts = 0
         self._recovering = asyncio.Lock()
         self._syncing: int | None = None
         """The version a weight sync is bringing the rollout worker to (``None``: none in flight)."""
@@ -138,7 +137,6 @@ class RayWorkers(_Pipeline):
         """Ray actor id → the worker's name in a one-line death."""
         self.answers = Answers()
         """When each actor last answered its heartbeat: ``close`` waits for none found silent."""
-        """``serve`` calls of the node-task actors: they return only when the queue shuts down."""
 
     @staticmethod
     def node_actor_count(nodes: Sequence[DagNode]) -> int:
@@ -168,7 +166,6 @@ class RayWorkers(_Pipeline):
                 return  # recovered already
             if self.spec.config.fleet.weight_transfer == "broadcast":  # its process group died with it
                 raise WorkerDied("rollout worker", "fleet.weight_transfer=broadcast cannot re-sync a replacement")
-            self.rollout_restarts += 1
             mode = self.spec.config.rollout.weight_update
             await actor.load_version.remote(self.engine_weight_sync, target, mode)
             await wait_engine_version(actor.engine_stats.remote, target)

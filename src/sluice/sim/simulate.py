@@ -174,18 +174,9 @@ class CostedTrainerPipeline(SimPipeline):
         self.prompt_len = prompt_len
         self.recorder = SpanRecorder("trainer")
         self.rollout_recorder = SpanRecorder("rollout")
-        self.engine_config = self.engines[0].config
-        """What ``new_engine`` builds (a step hook may change it, e.g. to lengthen responses)."""
         self.train_busy_s = 0.0
         self._tokens: dict[int, int] = {}
         self._pending = 0
-
-    def new_engine(self) -> TracedSimEngine:
-        """A replica to add at run time (``LLMProxy.add_replica``), traced and accounted."""
-        engine = TracedSimEngine(self.engine_config, self.rollout_recorder, f"replica{len(self.engines)}", self.device)
-        self.engines.append(engine)
-        self.traced.append(engine)
-        return engine
 
     async def _reports(self, groups: Sequence[tuple[PromptItem, int]]) -> AsyncIterator[GroupReport]:
         async for report in super().rollout_wave(groups):
