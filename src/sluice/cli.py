@@ -44,7 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # a write the disk refused outside a run (a model cache, a bench's JSON)
-        fault = _disk_fault(err)
+        from sluice.telemetry.disk_faults import diagnose
+
+        fault = diagnose(err, Path.cwd())
         if fault is None:
             raise
         print(f"error: {fault}", file=sys.stderr)
@@ -418,12 +420,6 @@ and transformers, seconds) to say that a config key is wrong would make every su
 def _user_errors() -> tuple[type[Exception], ...]:
     loaded = (getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules)
     return (ConfigError, *loaded)
-
-
-def _disk_fault(err: OSError) -> Exception | None:
-    from sluice.telemetry.disk_faults import diagnose
-
-    return diagnose(err, Path.cwd())
 
 
 def _run_stops() -> tuple[type[Exception], ...]:

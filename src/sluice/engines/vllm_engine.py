@@ -4,39 +4,26 @@ vLLM is imported when an engine is built, never at ``import sluice``, so sluice 
 (``rollout.engine: vllm`` then fails with one message saying how to install it; docs/engines.md).
 ``AsyncLLM`` always runs its engine core in a spawned child process (it has no in-process
 mode), so build it before this process forks anything. Versions and weight-update modes are
-``SegmentedEngine``'s; this module is the vLLM side (``VLLMBackend``):
+``SegmentedEngine``'s; this module is the vLLM side (``VLLMBackend``); docs/engines.md ("How it
+works, and why") gives the reasons for each choice:
 
-- **Tokens in, tokens out**: requests go in as ``TokensPrompt`` (no detokenization); every
-  sampled token comes back with its log-prob (``logprobs=0``) under vLLM's
-  ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)``, raw logits when greedy,
-  which is ``Completion.logprobs``' convention and what the trainer recomputes (vLLM's default,
-  ``raw_logprobs``, ignores the temperature). Exception: with ``top_p < 1`` vLLM renormalises
-  over the nucleus. ``ignore_eos`` is set so a request stops only on its own
-  ``stop_token_ids``, as the built-in engine does. vLLM seeds each request's generator, so its
-  tokens for a seed are not the built-in engine's (greedy agrees).
+- **Tokens in, tokens out**: ``TokensPrompt`` requests; every sampled token comes back with its
+  log-prob under ``logprobs_mode="processed_logprobs"`` (``log_softmax(logits / T)``, the
+  ``Completion.logprobs`` convention; with ``top_p < 1`` vLLM renormalises over the nucleus).
+  ``ignore_eos`` is set so a request stops only on its own ``stop_token_ids``.
 - **Weights in memory** (``weight_transfer="memory"``, the default): ``update_weights`` copies
-  each version into an anonymous shared-memory block (``weight_tensors.py``: ``memfd_create``,
-  no path, nothing under ``/dev/shm``) and the load sends every vLLM worker a
-  ``functools.partial(reload_from_shared, weights=handle)``; the worker maps the block through
-  ``/proc/<pid>/fd`` and calls its layer-wise ``reload_weights(weights_iterator=...)``. No file
-  is written and the tensors are not pickled (pickling them through the RPC cost 4-8x the
-  folder reload on a 144 MB model). A callable crosses vLLM's RPC only with
-  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between this process and the engine processes
-  it spawns), which this mode sets before the engine starts; tensors passed as RPC keyword
-  arguments instead arrive as lists and leave the model half-loaded. The engine processes must
-  run on this machine (they do: ``AsyncLLM`` spawns them). ``"folder"`` writes each update to a
-  tmpfs folder and reloads it by path (``weight_folder.py``). Either way the load re-runs the
-  CPU weight repacking (loading into the model directly would not), a tied-embedding model is
-  served untied (``lm_head.weight`` sent as its own tensor; ``weight_folder.py`` says why), and
-  the prefix cache is reset after each load.
+  each version into an anonymous shared-memory block (``weight_tensors.py``: ``memfd_create``)
+  and every vLLM worker maps it and runs ``reload_from_shared`` (its layer-wise
+  ``reload_weights``), a callable that crosses vLLM's RPC only with
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set before the engine starts. ``"folder"`` writes each
+  update to a tmpfs folder and reloads it by path (``weight_folder.py``). Either way a
+  tied-embedding model is served untied and the prefix cache is reset after each load.
 - **Weights over the broadcast group** (``weight_group``: ``fleet.weight_transfer: broadcast``):
   each vLLM worker joins trainer rank 0's group itself (``worker_extension_cls``) and receives
-  and loads every version bucket by bucket when the engine loads it; the engine only names the
-  version (``vllm_weight_group.py``).
+  and loads every version bucket by bucket (``vllm_weight_group.py``).
 - **Scheduling on CPU**: prefills are not chunked (``unchunked_prefill`` says why).
 - **Placement**: ``tensor_parallel_size`` and ``gpu_memory_utilization`` go to vLLM as they are,
-  after ``placement_args`` checks that this worker can run them (one message naming the
-  ``vllm.*`` field otherwise).
+  after ``placement_args`` checks that this worker can run them.
 
 Not here: LoRA adapters in vLLM (the trainer sends merged weights), multi-modal inputs, vLLM's own
 weight-transfer API (``init_weight_transfer_engine``: its backends need GPUs), pipeline parallelism.

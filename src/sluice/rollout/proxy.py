@@ -1,32 +1,21 @@
 """``LLMProxy``: one ``InferenceEngine`` front for many replicas (ROLL Flash's LLMProxy).
 
-- **Routing**: each request goes to the accepting replica with the fewest outstanding tokens
-  (prompt + ``max_new_tokens`` of requests routed there and not finished). Without prompt
-  replication, requests sharing an ``affinity`` (the samples of one prompt) stick to the replica
-  the first of them went to (prefix sharing); with it, every sample is routed on its own, so a
-  hard prompt's n long samples spread over the replicas (ROLL Flash §5.1.2).
-- **Longest predicted first** (optional, StreamRL): with a ``LengthPredictor`` the proxy holds
-  requests in a ``LongestFirstQueue`` and gives each free replica slot (``slots`` running
-  requests per replica) to the waiting request with the longest predicted response; routing then
-  weighs requests by predicted rather than maximum length; the predictor learns from every response.
-- **Skewness-aware dispatch** (optional, StreamRL, on top of longest-first): a ``LongTailSplit``
-  dedicates some replicas to the requests predicted to be in the long tail, at a smaller cap on
-  running requests (fast per token), and the rest on the other replicas; a longest-first lane each.
+Each verb in detail: docs/rollout.md ("LLMProxy").
+
+- **Routing**: each request goes to the accepting replica with the fewest outstanding tokens;
+  requests sharing an ``affinity`` (one prompt's samples) stick to one replica unless prompts
+  are replicated (ROLL Flash §5.1.2).
+- **Longest predicted first** (optional, StreamRL): with a ``LengthPredictor``, a free replica
+  slot goes to the waiting request with the longest predicted response (``LongestFirstQueue``);
+  a ``LongTailSplit`` may dedicate replicas to the predicted long tail.
 - **Requests**: ``generate`` / ``abort`` as for one engine; ``pause`` holds new requests at the
   proxy and pauses the replicas; ``resume`` releases both.
-- **Replicas at run time**: ``add_replica`` loads the newest weights into a newcomer before
-  routing to it; ``remove_replica`` stops routing to one, aborts its in-flight requests and
-  continues each elsewhere from its partial response (prompt + tokens so far, tokens keep their
-  versions): nothing is lost, every move is counted (``rerouted``, ``rerouted_tokens``).
-  ``busy_s`` sums, over replicas, the wall seconds each had at least one request running: the
-  generation time a rebalancer weighs against training (``controller/rebalancing.py``).
-- **Replicas that die** (a verb raised ``ReplicaLost``): dropped at once, their requests continue
-  elsewhere from the tokens they had before it (``replicas_lost``); with a ``replace`` factory a
-  new replica joins with the newest weights (``replicas_added``), at most ``replacements`` times.
-  With none left and none coming, every request fails with ``ReplicaLost``.
-- **Weight updates** (DESIGN.md): ``interrupt`` and ``defer`` go to every replica at once;
-  ``staggered`` updates ``stagger`` replicas at a time, routing around them while they drain
-  and swap, so generation never stops everywhere; ``settled`` waits until every replica holds it.
+- **Replicas at run time**: ``add_replica`` loads the newest weights before routing to one;
+  ``remove_replica`` and a replica that died (``ReplicaLost``) move its requests elsewhere,
+  continuing from their partial responses (counted); a ``replace`` factory brings in a new one.
+  ``busy_s`` is the generation time a rebalancer weighs (``controller/rebalancing.py``).
+- **Weight updates**: ``interrupt`` and ``defer`` go to every replica at once; ``staggered``
+  updates ``stagger`` replicas at a time, routing around them while they drain and swap.
 
 It does not decide what to generate or when weights change (the rollout worker and the
 controller do), and it never looks inside an engine beyond the ``Replica`` verbs.

@@ -2,39 +2,19 @@
 
 After each training step the run reports the step's wall time (``step_s``), how long the
 trainer computed (``train_s``) and how long generation kept the replicas busy (``generation_s``,
-per replica). Decisions use the mean of the last ``window`` steps (none before ``window`` steps
-ran); adding also asks the newest step alone and takes the larger count: a step that grew is news
-(a length shift), and a window still half full of the steps before it would add too few and
-spend a cooldown of long steps finding out. Removing uses the mean only. The thresholds are the
-planner's: ``schedule/step_model.py`` (the model ``sluice plan``'s bound uses) predicts the step
-with more and with fewer replicas from the measured times:
+per replica). Decisions use the mean of the last ``window`` steps; adding also asks the newest
+step alone and takes the larger count (a step that grew is news). The thresholds are the
+planner's: ``schedule/step_model.py`` predicts the step with more and with fewer replicas:
 
-- **add** a replica when the predicted step with one more is shorter than the measured one by at
-  least ``MIN_SHARE`` (a quarter) of the replica's ideal share, ``1 / (r + 1)`` (the cut a
-  replica brings when generation alone sets the step). With one more, generation's span spreads
-  over the replicas: when the trainer waited, the whole step is taken to be generation's (a
-  tail included; whether that was so is judged after, below). One decision adds as many as the
-  model justifies, each judged against the step predicted with the ones before it (a length
-  shift that needs 6 replicas gets them in one decision, not four decisions and their cooldowns);
-- **remove** one when the predicted step with one fewer is no longer than the measured one: the
-  replicas' busy work, spread over one fewer, still fits beside training (the trainer waits for
-  nothing the replica provides; the rest of the step stays). One per decision: a removal that
-  was wrong costs a replica's start-up to undo, so the rule gives replicas back slowly.
-
-The gap between the two (generation's whole span when adding, only its busy work when removing;
-a replica is added only when it buys a quarter share, removed only when it buys none) is the
-dead band that keeps measurement noise from flipping replicas.
-
+- **add** as many replicas as each cut the predicted step by ``MIN_SHARE`` (a quarter) of its
+  ideal share ``1 / (r + 1)``, generation's whole span spread over them;
+- **remove** one when the step predicted with one fewer is no longer than the measured one (the
+  replicas' busy work, spread over one fewer, still fits beside training);
 - **stop adding** when the added replicas did not cut the step by the threshold that justified
-  them (``MIN_SHARE · k / r`` of the step before, for ``k`` added to reach ``r``): a long-tail
-  response, not throughput, set the step, so more replicas cannot help; adding resumes once
-  generation per replica grows by more than one replica's share (lengths changed).
+  them (``MIN_SHARE · k / r``); adding resumes once generation per replica grows by a share.
 
-``MIN_SHARE`` was a half first; on ``benchmarks/rebalance.py`` that stopped adding at 4 replicas
-(a noisy 2-step window judged the fourth's cut at 7.6 % against 12.5 %) 9.8 % above the best
-fixed split; a quarter reaches 5-6 (docs/planner.md).
-
-After an action the rebalancer waits ``cooldown`` steps for the measurement to reflect it.
+The asymmetry is the dead band against noise; why each threshold, and ``MIN_SHARE``'s history:
+docs/planner.md ("Dynamic rebalancing"). After an action the rebalancer waits ``cooldown`` steps.
 ``decide`` is the pure rule; ``Rebalancer`` keeps the window, the cooldown and the ceiling, and
 returns the change for the caller to apply (``controller/rebalancing.py`` in a run, through the
 rollout worker's ``LLMProxy.add_replica`` / ``remove_replica``; the simulator's harness on
