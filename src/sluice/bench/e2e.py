@@ -1,31 +1,22 @@
 """``sluice bench e2e``: sync vs streaming vs asynchronous training on the same sample budget.
 
 Full runs of the same config in one process, differing only in the schedule and placement:
-``sync`` (the barrier schedule, one process);
-streaming at η = 0 (overlap inside a step only: the queue's own gain, AsyncFlow's ablation);
-η = 1; η = 4; η = 1 with two data-parallel trainer ranks (the trainer is the bottleneck of the
-default run, and a second rank uses the core the rollout worker leaves idle); and sync on one
-torch thread, whose CPU seconds are the least CPU the computation itself needs (one thread has no
-idle spinning and no parallel overhead): half of them is the loop a perfect two-core overlap
-of generation and training would reach, with no coordination cost at all. Each row reports
-**trained** response tokens per second of training loop (tokens generated but never trained do
-not count), loop wall time, the trainer's idle fraction, the exposed weight-sync time (seconds
-generation or training waited for weights), the realised staleness histogram (from the run's
-trace and ledger), final held-out accuracy, and the CPU seconds every process of the run spent in
-the loop, by role (``telemetry/cpu.py``): divided by the cores, that is the shortest loop the
-same work could take with every core busy all the time (``cpu_bound_s``), so the row's trained
-tokens over its bound, against the first row's (sync's) tokens per second, is the most that row
-could gain on sync by any scheduling of the same work (``≤ vs sync``, ``cpu_bound_vs_first``; a
-two-thread row's CPU includes OpenMP workers spinning while they wait, so its bound is not a floor).
+``sync`` (the barrier schedule, one process); streaming at η = 0 (overlap inside a step only);
+η = 1; η = 4; η = 1 with two data-parallel trainer ranks; and sync on one torch thread (the
+least CPU the computation itself needs). Each row reports **trained** response tokens per second
+of training loop, loop wall time, the trainer's idle fraction, the exposed weight-sync time, the
+realised staleness histogram, final held-out accuracy, and the CPU seconds of every process of
+the run by role (``telemetry/cpu.py``), whose quotient by the cores bounds what any scheduling of
+the same work could gain on sync (``cpu_bound_s``, ``≤ vs sync``). The columns, and why the
+bound is what it is: README, "``sluice bench e2e``".
 
 ``--workload`` picks what is trained: ``default`` (the config as given), or a waiting-bound one
-(ROLL Flash's simulated-environment setting): ``agentic-wait`` (the calculator task, every env
-step waiting μ ± μ seconds: ``agentic.env_latency_s``; weight loads keep running rows' and kept
-turns' caches, ``rollout.reprefill: false``, which only the async rows can notice) and
-``reward-wait`` (every reward call waiting so: ``reward.latency_s``), where μ is **measured**: the
-median wall time of one generation turn of that task here (a short sync pilot run without the
-wait; the proxy's ``request_s_median``), printed and kept in the JSON. Those rows are sync and async η = 1, 2, 4.
-Prints a table and writes JSON. It measures; it asserts nothing.
+(ROLL Flash's simulated-environment setting): ``agentic-wait`` (every env step of the calculator
+task waits μ ± μ seconds, ``agentic.env_latency_s``, with ``rollout.reprefill: false``) or
+``reward-wait`` (every reward call waits so, ``reward.latency_s``), where μ is **measured** (the
+median wall time of one generation turn, from a short sync pilot run), printed and kept in the
+JSON; those rows are sync and async η = 1, 2, 4. Prints a table and writes JSON. It measures; it
+asserts nothing.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
 from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
 from sluice.runtime.pipelines import PipelineSpec, wait_engine_version
-from sluice.runtime.ray_pipeline import RayWorkers, _runtime
-from sluice.runtime.ray_supervision import HEALTH, death_detail, supervised
-from sluice.runtime.supervision import Heartbeat, abandon
+from sluice.runtime.ray_pipeline import RayWorkers, _awaited, _runtime
+from sluice.runtime.ray_supervision import supervised
+from sluice.runtime.supervision import abandon
 from sluice.schedule.failures import FailureBudget, RunStopped
 from sluice.schedule.ledger import GroupLedger
 from sluice.schedule.staleness import StalenessGate
@@ -223,19 +223,6 @@ class MultiRayPipeline(RayWorkers):
         rows = {f"node_rows_{k}": float(v) for k, v in self.node_rows.items()}
         return {**super().end_records(), "shards": {**cursors, **rows}}
 
-    def heartbeats(self) -> list[Heartbeat]:
-        """Every worker actor; none is replaced (a lost rollout worker ends the run, named)."""
-        from ray.exceptions import ActorDiedError
-
-        def dead(err: BaseException) -> str | None:
-            return death_detail(err) if isinstance(err, ActorDiedError) else None
-
-        def ping(actor: Any) -> Any:
-            return lambda: actor.heartbeat.options(concurrency_group=HEALTH).remote()
-
-        timed = self.answers.timed
-        return [Heartbeat(name, timed(name, ping(actor)), dead, None) for name, actor in self._named_actors()]
-
     def _named_actors(self) -> list[tuple[str, Any]]:
         named = super()._named_actors()
         extra = getattr(self, "rollout_actors", [None])[1:]  # none yet while ``RayWorkers`` builds
@@ -316,7 +303,3 @@ def _raise_cause(ended: asyncio.Future[Any]) -> None:
         if isinstance(err.cause, RunStopped):
             raise err.cause from None
         raise
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref

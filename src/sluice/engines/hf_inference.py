@@ -9,18 +9,12 @@ first token from the prefill logits; then one decode step for all running rows. 
 batch shares one right-aligned, preallocated KV cache (``kv_batch.py``); sampling is
 counter-based per sample (``sampling.py``): a sample's tokens do not depend on its neighbours.
 
-Weight updates (DESIGN.md "Versions and staleness"), always applied between two steps:
-
-- ``interrupt`` (AReaL): load now, then re-prefill every running row (prompt + tokens so far)
-  under the new weights so its KV cache is consistent, and keep decoding. Emitted tokens keep
-  their versions; later ones carry the new version; the sampling counter continues. With
-  ``reprefill=False`` (PipelineRL) the running rows keep the KV cache the older weights computed
-  and go on decoding under the new ones: no re-prefill compute; each later token's log-prob is
-  exactly the one it was sampled with (new weights over that stale cache).
-- ``defer`` (AsyncFlow's delayed update): copy the weights into a host buffer and return; stop
-  admitting; running rows finish on the old weights (drain); then swap, set the version and
-  resume admission. A newer update replaces a staged one. Drain time is counted in ``stats()``.
-- ``staggered``: one engine is one replica, so it acts like ``defer`` (the LLMProxy staggers).
+Weight updates, always applied between two steps (docs/engines.md "Weight updates"):
+``interrupt`` (AReaL) loads now and re-prefills every running row under the new weights (with
+``reprefill=False``, PipelineRL, the rows keep their stale KV cache and decode on); emitted tokens
+keep their versions. ``defer`` (AsyncFlow) stages the weights in a host buffer, stops admitting,
+drains the running rows on the old weights, then swaps (drain time counted in ``stats()``; a
+newer update replaces a staged one). ``staggered`` acts like ``defer`` (the LLMProxy staggers).
 
 Not thread-safe: call ``update_weights`` from the thread that runs ``step()`` (the event loop
 in the async driver). Deliberately not here: paged KV, chunked prefill, speculative decoding.

@@ -1,27 +1,20 @@
 """``TrainEngine`` for a Hugging Face causal LM trained in PyTorch (one rank of ``single`` / ``ddp`` / ``fsdp2``).
 
-Role: the reference training engine. ``logprobs`` recomputes per-response-token
-log-probs (proximal or reference policy) without grad; ``begin_step``, ``accumulate`` per
-micro-batch and ``finish_step`` sum the gradients of an update's micro-batches, scale them by
-the update's normaliser, so the accumulated gradient equals the full-batch gradient, then take
-one gradient-norm clip and one AdamW step. Weights are exported as detached copies for weight
-sync, and ``save`` / ``load`` round-trip model and optimizer state.
+Role: the reference training engine. ``logprobs`` recomputes response-token log-probs without
+grad; ``begin_step``, ``accumulate`` per micro-batch and ``finish_step`` sum an update's gradients,
+scale them by its normaliser (the full-batch gradient), clip and take one AdamW step under an
+optional ``LrSchedule`` (``transformers.get_scheduler``, checkpointed beside the optimizer).
+Forwards run ``packed`` (``engines/packing.py``: padding-free rows in which a group's responses
+share one copy of its prompt; ≈ 2× faster, ``benchmarks/training.py``) or ``padded`` (length-sorted,
+right-padded chunks), with the same log-probs to float rounding. ``dtype`` is the compute dtype
+(bf16: autocast over float32 master weights; under ``fsdp2`` its mixed-precision policy);
+``distribute`` joins the ranks of the default process group as ``ddp`` or ``fsdp2``
+(``engines/strategies.py``), under which every forward is a collective, so ``finish_step`` and
+``logprobs`` run the ranks' forwards in lockstep. Log-probs use ``log_softmax(logits / T)`` (in
+float32), the engines' ``Completion.logprobs`` convention (``T <= 0``: raw logits).
 
-Forwards run in one of two layouts: ``packed`` (``engines/packing.py``: padding-free rows in
-which a group's responses share one copy of its prompt) or ``padded`` (length-sorted, right-padded
-chunks). Both give the same log-probs to float rounding; ``packed`` is about 2× faster on the
-default task (``benchmarks/training.py``).
-
-The learning rate follows an optional ``LrSchedule`` (warmup, then constant / linear / cosine
-decay: ``transformers.get_scheduler``), stepped once per optimizer update and checkpointed
-beside the optimizer. ``dtype`` is the compute dtype (bf16: autocast over float32 master
-weights; under ``fsdp2`` its mixed-precision policy); ``distribute`` joins the ranks of the
-default process group as ``ddp`` or ``fsdp2`` (``engines/strategies.py``). Under ``fsdp2`` every
-forward is a collective, so ``accumulate`` holds the update's micro-batches and ``finish_step``
-and ``logprobs`` run the ranks' forwards in lockstep. Deliberately not here: tensor or pipeline
-parallelism, and deciding micro-batch boundaries (the caller passes ``MicroBatch`` es from
-``trainer/step.py``). Log-probs use ``log_softmax(logits / T)`` (in float32) to match the
-engines' ``Completion.logprobs`` convention (``T <= 0`` means raw logits).
+Deliberately not here: tensor or pipeline parallelism, and deciding micro-batch boundaries (the
+caller passes ``MicroBatch`` es from ``trainer/step.py``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from sluice.engines.lora import LoraMerge
 
-STRATEGIES = ("single", "ddp", "fsdp2")
 SCHEDULER_FILE = "lr_scheduler.pt"
 """The LR scheduler's state inside a checkpoint folder (every strategy)."""
 SHARDED_DIR = "dcp"

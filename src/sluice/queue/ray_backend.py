@@ -2,26 +2,16 @@
 
 ``RayQueue.create(num_storage_units)`` starts the storage-unit actors (``num_cpus=0``); each
 ``register_task`` has unit 0 start that task's controller actor (so the queue's actors share
-its owner's lifetime) and registers it with every unit, which shows it the rows it already holds.
-Clients talk to controllers for metadata and to storage units for data, directly:
-
-- put: the client splits rows by unit (``storage.unit_of``), packs each unit's share of every
-  variable-length column into one flat buffer plus offsets, and writes the units in parallel; a
-  unit stores the buffers, then notifies every controller that reads those columns and only then
-  acknowledges, so a put is visible to every task when it returns.
-- get: the controller selects and marks rows consumed, its thread waiting on an event that those
-  notifications set (no polling) until enough rows are ready, the partition is done, or the
-  timeout passes; the client then reads the chosen rows from the units in parallel, one gathered
-  buffer per column per unit, and merges them in batch order (``get_views``: a same-node reader
-  keeps views of a unit's arena until its block ends, instead of copying them out).
-- with ``free_consumed``, a unit frees a row once every registered task has read it.
-
-Transport: between processes of one node, calls go over Unix sockets (``direct``: a fraction of a
-Ray call's cost, which is most of a small get) and buffers of 128 KiB or more through reusable
-shared-memory arenas (``shm``); across nodes, or with ``shared_memory=False``, everything goes
-through Ray (buffers zero-copy from its object store). ``RayQueue`` (blocking) and
-``AsyncRayQueue`` (coroutines over Ray calls, for async actors) are picklable: hand them to Ray
-tasks and actors. The semantics are ``LocalQueue``'s. It deliberately does not make
+its owner's lifetime) and registers it with every unit. Clients talk to controllers for metadata
+and to storage units for data, directly: a put packs each unit's share of every variable-length
+column into one flat buffer and writes the units in parallel (visible to every task when it
+returns); a get has the task's controller select and mark rows (woken by the units' write
+notifications, never polling), then reads them from the units in parallel and merges them in
+batch order (``get_views``: a same-node reader keeps views of a unit's arena until its block
+ends). Same-node calls go over Unix sockets (``direct``) and large buffers through shared-memory
+arenas (``shm``); across nodes, or with ``shared_memory=False``, through Ray. docs/queue.md has
+the design. ``RayQueue`` (blocking) and ``AsyncRayQueue`` (coroutines, for async actors) are
+picklable; the semantics are ``LocalQueue``'s. It deliberately does not make
 ``snapshot``/``clear`` atomic across actors (take them while the pipeline is paused, e.g. at a step
 boundary), survive the loss of a unit actor, or move data through the driver.
 """

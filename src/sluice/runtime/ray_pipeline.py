@@ -245,7 +245,8 @@ class RayWorkers(_Pipeline):
 
     def heartbeats(self) -> list[Heartbeat]:
         """Every worker actor, pinged in its ``health`` concurrency group (answered even while it
-        trains or generates); the rollout worker is replaceable."""
+        trains or generates); the rollout worker is replaceable where Ray restarts it
+        (``rollout_restarts_allowed``; a multi-controller run's lost worker ends the run, named)."""
         from ray.exceptions import ActorDiedError
 
         def dead(err: BaseException) -> str | None:
@@ -261,7 +262,7 @@ class RayWorkers(_Pipeline):
 
         beats = []
         for name, actor in self._named_actors():
-            replace = replace_rollout if actor is self.rollout_actor else None
+            replace = replace_rollout if actor is self.rollout_actor and self.rollout_restarts_allowed else None
             beats.append(Heartbeat(name, self.answers.timed(name, ping(actor)), dead, replace))
         return beats
 

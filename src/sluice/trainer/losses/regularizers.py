@@ -19,14 +19,12 @@ or entropies (``engines/hf_train.token_entropy``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
 from sluice.api.types import LossInputs, LossOutputs
 from sluice.trainer.losses.common import aggregate, masked_sum
 
-KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
