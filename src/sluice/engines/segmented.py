@@ -5,12 +5,10 @@ update modes. A request runs as one or more **segments**, each one call to the b
 one weight version: weights only change while no segment runs, so every token carries the
 version its segment started under, exactly.
 
-- ``interrupt`` (AReaL): close admission, abort the running segments (their tokens so far were
-  already delivered, under the old version), load, and resubmit each unfinished request as
-  prompt + tokens so far for its remaining budget; the backend re-prefills it under the new
-  weights.
-- ``defer`` / ``staggered``: close admission, let the running segments finish on the old
-  weights, then load. A newer update replaces a staged one (counted).
+- ``interrupt`` (AReaL): abort the running segments, load, and resubmit each unfinished request
+  as prompt + tokens so far for its remaining budget (the backend re-prefills it);
+- ``defer`` / ``staggered``: let the running segments finish on the old weights, then load.
+  A newer update replaces a staged one (counted). docs/engines.md, "Weight updates".
 
 An update is staged at once by the engine's ``WeightStager``: written to a versioned tmpfs
 folder and loaded by path (``weight_folder.py``: SGLang, vLLM with ``weight_transfer: folder``),

@@ -4,18 +4,11 @@ Each vLLM worker process joins the trainer's weight broadcast group itself (gloo
 on CUDA; ``weights/wire.py``), as rank ``first_rank + its vLLM rank``: ``WeightGroupWorker`` is
 vLLM's ``worker_extension_cls``, so its method is a plain ``collective_rpc`` by name with plain
 arguments (no pickled callable). When the engine loads version ``v`` (``SegmentedEngine``: no
-segment is running), every worker
-
-1. joins the group on its first load (blocking until trainer rank 0 and every other receiver
-   have joined; the rendezvous address comes from the pipeline, on trainer rank 0's node);
-2. receives the versions broadcast before ``v`` and drops them bucket by bucket (every receiver
-   takes part in every broadcast; a superseded version is not loaded);
-3. receives ``v`` bucket by bucket (``trainer.weight_bucket_mb``), each into a fresh buffer, and
-   hands its tensors straight to vLLM's layer-wise ``reload_weights(weights_iterator=...)``, which
-   loads (and on CPU repacks) each layer as soon as its tensors are in, so no worker holds a
-   copy of the whole model and nothing is written to a file;
-4. returns the float64 sum of what it received (a tied model's ``lm_head`` once), which the
-   engine reports as its checksum.
+segment is running), every worker joins the group on its first load, receives and drops the
+versions broadcast before ``v`` (every receiver takes part in every broadcast), receives ``v``
+bucket by bucket straight into vLLM's layer-wise ``reload_weights`` (no worker holds a copy of
+the whole model, nothing is written to a file) and returns the float64 sum of what it received,
+the engine's checksum (docs/engines.md, "Weights over the broadcast group into vLLM's workers").
 
 ``GroupVersions`` is the engine side's ``WeightStager``: an update is only a version number (the
 weights are already on their way from the trainer), and its checksum is the workers' answer.

@@ -2,24 +2,19 @@
 EnvManager, §5.2).
 
 Each admitted group runs ``group_size + group_redundancy`` episodes, each its own loop
-(``episode.py``); nothing waits for anything else:
+(``episode.py``); nothing waits for anything else (docs/agentic.md has each rule and its counter):
 
 - **environment-level async** (``mode: async``): an episode waiting on its environment holds no
-  engine slot, so the engine serves the others' turns meanwhile. ``mode: barrier`` moves a wave's
-  episodes in lockstep (all generate, all step, …): the baseline it is measured against;
-- **rows at once**: a finished episode's sample is written to the queue the moment it ends (its
-  reward is known then), group-committed with the others ending meanwhile (``GroupCommitWriter``:
-  one queue call for the episodes of one engine step); a group reports as soon as its first
+  engine slot; ``mode: barrier`` moves a wave's episodes in lockstep, the baseline;
+- **rows at once**: a finished episode's sample is written the moment it ends, group-committed
+  with the others ending meanwhile (``GroupCommitWriter``); a group reports as soon as its first
   ``group_size`` episodes finished;
 - **redundant environments**: the episodes still running when their group completes are aborted
-  (requests stopped on the engines) and counted as ``episodes_aborted_straggler``; more groups
-  than a step needs are the controller's ``redundant_groups`` (``num_env_groups``), whose surplus
-  it aborts through ``abort_groups``;
-- **failures**: an env that raises or exceeds its timeout fails its episode
-  (``episodes_env_error`` / ``episodes_env_timeout``); a group that can no longer reach
-  ``group_size`` is discarded (``env_failure``, its rows cleared, its credit returned); its report
-  names the environment and the last env error (``failed_by``, ``error``) when an env call failed
-  it (an episode aborted by the engine is not the env's failure).
+  and counted (``episodes_aborted_straggler``); the controller aborts surplus groups
+  (``abort_groups``);
+- **failures**: an env that raises or exceeds its timeout fails its episode; a group that can no
+  longer reach ``group_size`` is discarded (``env_failure``, its rows cleared, its credit
+  returned), its report naming the environment and the last env error (``failed_by``, ``error``).
 
 It decides no admission, quota or version (the controller does) and knows no env internals.
 """

@@ -2,20 +2,13 @@
 
 It reproduces what makes rollout scheduling matter (DESIGN.md "Simulation is a product
 feature") so benchmarks and the planner can drive the real rollout, LLMProxy and controller code:
-
-- one decode iteration advances every running sequence by one token and takes
-  ``decode_s · max(1, running / knee)`` simulated seconds: flat while memory-bound, then growing
-  with the batch (StreamRL Fig. 6's per-token latency curve);
-- at most ``max_running`` sequences decode together (the KV budget); the rest wait, FIFO;
-- admitting requests costs ``prefill_s_per_token`` per prompt token (same-prompt requests admitted
-  together share one prefill: prefix sharing);
-- a request's response length is drawn from ``LengthModel``: log-normal, long-tailed, with a
-  factor shared by every sample of one prompt (hard prompts are long for all their samples), or a
-  measured distribution of the prompts' lengths in place of the log-normal prompt factor;
-- weights have versions: every token carries the version of the engine that produced it, and
-  ``update_weights`` follows the built-in engine's modes (``interrupt`` stalls ``load_s`` plus a
-  re-prefill of the running sequences, then continues under the new version; ``defer`` and
-  ``staggered`` stop admission, drain, then stall ``load_s`` and swap).
+a decode iteration advances every running sequence by one token in
+``decode_s · max(1, running / knee)`` simulated seconds (StreamRL Fig. 6's per-token latency
+curve) for at most ``max_running`` sequences (the rest wait, FIFO); admitting costs
+``prefill_s_per_token`` per prompt token (same-prompt requests share one prefill); response
+lengths come from ``LengthModel`` (log-normal, long-tailed, a factor shared by a prompt's samples,
+or measured prompt lengths); every token carries its version, and ``update_weights`` follows the
+built-in engine's modes with a ``load_s`` stall (docs/rollout.md, "Simulation").
 
 Tokens, lengths and log-probs are pure functions of (request seed, prompt, version), so outputs
 are deterministic; timing is deterministic too on ``sim.clock.run_virtual``'s virtual clock.

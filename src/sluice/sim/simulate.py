@@ -1,22 +1,13 @@
 """Discrete-event simulation of the whole pipeline: ``simulate(SimConfig) -> SimResult``.
 
-The events are the real code's: sluice's ``Controller`` and ``GroupLedger`` (admission under
-η, oldest-first consumption, surplus aborts), the ``LLMProxy``, ``GroupRunner`` and TransferQueue
-run over ``SimEngine`` replicas (long-tailed lengths, continuous batching under a concurrency
-cap, prefill, weight loads by interrupt / defer / staggered) on ``run_virtual``'s clock, which
-jumps from one event to the next. Only the trainer is a cost: micro-batches of up to
-``micro_batch_tokens`` tokens, each ``overhead + tokens · token_s``, then an optimizer step. A
-trainer that shares its device with the replicas (``TrainerCost.alone_speedup`` > 1, this CPU)
-works faster while no replica is busy (``sim.contention``).
-
-Modes: ``sync`` (generate the whole batch, then train it: η = 0 without streaming),
-``streaming`` (η = 0, training starts on the first finished groups: StreamRL's dynamic-batch
-pipelining), ``one_step`` (η = 1, AsyncFlow's delayed update) and ``async`` (η = ``eta``).
-
-The result carries step times, utilisation and bubble fractions per stage, and the timeline as
-Chrome-trace events in the real run's format (``telemetry/trace.py``): processes ``rollout``
-(one lane per replica: decode, weight_load) and ``trainer`` (train_microbatch, optimizer_step),
-so ``sluice trace`` draws it and it lies beside a real run's Gantt chart.
+The events are the real code's: sluice's ``Controller`` and ``GroupLedger``, the ``LLMProxy``,
+``GroupRunner`` and TransferQueue run over ``SimEngine`` replicas on ``run_virtual``'s clock,
+which jumps from one event to the next. Only the trainer is a cost: micro-batches of up to
+``micro_batch_tokens`` tokens, each ``overhead + tokens · token_s``, then an optimizer step,
+faster while no replica is busy when it shares their device (``sim.contention``). Modes
+``sync``, ``streaming``, ``one_step`` and ``async``, and what the result carries (step times,
+utilisation, bubbles, the timeline as the real run's Chrome-trace events, so ``sluice trace``
+draws it): docs/planner.md, "Simulator".
 
 It does not choose a configuration (``sim.planner`` does) or derive costs from hardware
 (``sim.cost_model`` does).
