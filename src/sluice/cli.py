@@ -97,13 +97,6 @@ EXAMPLES = {
 """Each command's ``--help`` example, and a note before the pointer to the reference."""
 
 
-def _add_examples(commands: dict[str, argparse.ArgumentParser]) -> None:
-    for name, (example, note) in EXAMPLES.items():
-        commands[name].formatter_class = argparse.RawDescriptionHelpFormatter
-        reference = "every key: sluice config-docs (docs/config.md)"
-        commands[name].epilog = f"example:\n  {example}\n\n{note + '; ' if note else ''}{reference}"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous streaming RL post-training.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -170,7 +163,10 @@ def _parser() -> argparse.ArgumentParser:
     init.set_defaults(func=_init)
     docs = sub.add_parser("config-docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(func=lambda _: print(_config_reference()) or 0)
-    _add_examples(sub.choices)
+    for name, (example, note) in EXAMPLES.items():
+        sub.choices[name].formatter_class = argparse.RawDescriptionHelpFormatter
+        reference = "every key: sluice config-docs (docs/config.md)"
+        sub.choices[name].epilog = f"example:\n  {example}\n\n{note + '; ' if note else ''}{reference}"
     return parser
 
 

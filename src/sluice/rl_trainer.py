@@ -227,7 +227,8 @@ class RLTrainer:
             self._step_by_step = None
 
     def _session(self) -> StepByStep:
-        self._require_data()
+        if not self._data_ready:
+            raise RuntimeError("call load_prompt_data() first")
         if self._step_by_step is None:
             self._step_by_step = StepByStep(self.config, self.pipeline_spec(), self.prompts)
         return self._step_by_step
@@ -327,7 +328,3 @@ class RLTrainer:
     def _require_engines(self) -> None:
         if not self._engines_ready:
             raise RuntimeError("call init_engines() first")
-
-    def _require_data(self) -> None:
-        if not self._data_ready:
-            raise RuntimeError("call load_prompt_data() first")

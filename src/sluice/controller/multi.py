@@ -32,7 +32,7 @@ from sluice.dag.loader import PromptFile
 from sluice.dag.shard_rollout import RemoteCredits, ShardRolloutWorker
 from sluice.dag.spec import DagNode
 from sluice.data import PromptStream
-from sluice.runtime.pipelines import PipelineSpec, wait_engine_version
+from sluice.runtime.pipelines import PipelineSpec, rollout_kwargs, wait_engine_version
 from sluice.runtime.ray_pipeline import RayWorkers, _awaited, _runtime
 from sluice.runtime.ray_supervision import supervised
 from sluice.runtime.supervision import abandon
@@ -57,11 +57,13 @@ class MultiRayPipeline(RayWorkers):
     def __init__(self, spec: PipelineSpec, prompts: PromptStream, source: PromptFile, address: str | None = None):
         import ray
 
+        from sluice.queue import AsyncRayQueue
+
         super().__init__(spec, prompts, address)
         cfg = spec.config
         self.source = source
         self.rows_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        kwargs = _rollout_kwargs_of(self)
+        kwargs = rollout_kwargs(spec, AsyncRayQueue(self.queue), self.placement.replica_options())
         runtime = _runtime(spec.rollout_threads, self.oversubscribed)
         options = {"num_cpus": self.actor_share, "max_restarts": 0, **runtime}
         extra_cls: Any = supervised(ShardRolloutWorker).options(**options)
@@ -285,13 +287,6 @@ class PullAdmission:
         """Continue a checkpointed run from ``cut``, taken after step ``version``."""
         await self.pipeline.restore_gate(cut, version)
         self._trained, self._resumed = version, cut
-
-
-def _rollout_kwargs_of(pipeline: RayWorkers) -> dict[str, Any]:
-    from sluice.queue import AsyncRayQueue
-    from sluice.runtime.pipelines import rollout_kwargs
-
-    return rollout_kwargs(pipeline.spec, AsyncRayQueue(pipeline.queue), pipeline.placement.replica_options())
 
 
 def _raise_cause(ended: asyncio.Future[Any]) -> None:

@@ -2,14 +2,10 @@
 
 Both are a loop of optimizer steps over the user's rows on one ``HFTrainEngine`` (a causal LM for
 ``sft``, a scalar reward model for ``rm``); this module holds everything around that loop so the
-two runs differ only in their rows, their step and their evaluation. ``run_ranks`` runs a rank
-function in this process and, under ``trainer.strategy: ddp / fsdp2``, in
-``resources.trainer.ranks - 1`` spawned processes (one ``torch.distributed`` group). ``RunLog`` is
-rank 0's outputs (``config.yaml``, ``metrics.jsonl``, trackers, progress, ``plot.png``).
-Checkpoints hold the engine's weights, optimizer and LR schedule, then a state file written last
-(its presence makes the folder complete) with the step and the length ``metrics.jsonl`` had;
-``resume_step`` loads the newest (``run.resume=auto``) or a named one. It does not choose rows,
-step or evaluate.
+two runs differ only in their rows, their step and their evaluation: ``run_ranks`` (this process,
+plus spawned ranks under ``trainer.strategy: ddp / fsdp2``), ``RunLog`` (rank 0's outputs),
+checkpoints whose state file, written last, makes them complete, and ``resume_step``
+(``run.resume=auto`` or a named checkpoint). It does not choose rows, step or evaluate.
 """
 
 from __future__ import annotations
