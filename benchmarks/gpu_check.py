@@ -152,7 +152,8 @@ def check_trainer(args: argparse.Namespace, strategy: str, **options: bool) -> d
     from torch.distributed.tensor import DTensor
 
     from sluice.config import TrainerConfig
-    from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
+    from sluice.trainer.data_parallel import DataParallelGroup
+    from sluice.trainer.rendezvous import free_tcp_address
     from sluice.trainer.sections import train_engine
 
     cfg = TrainerConfig(strategy=strategy, dtype="bfloat16", **options)

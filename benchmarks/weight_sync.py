@@ -35,7 +35,7 @@ import ray
 import torch
 from harness.report import write_results
 
-from sluice.trainer.data_parallel import free_tcp_address
+from sluice.trainer.rendezvous import free_tcp_address
 from sluice.weights import BroadcastWeightSync, ObjectStoreWeightSync
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from sluice.trainer.data_parallel import free_tcp_address
+from sluice.trainer.rendezvous import free_tcp_address
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

@@ -99,7 +99,7 @@ def measure_vllm(name: str, mode: str, versions: int, kv_cache_mb: int = 64) -> 
     """One row: ``name``'s model (``MODELS``) served by a ``VLLMEngine`` whose updates come by
     ``mode``: a ``weight_transfer`` (``folder``, ``memory``) or ``broadcast`` (the group)."""
     from sluice.engines.vllm_engine import VLLMEngine
-    from sluice.trainer.data_parallel import free_tcp_address
+    from sluice.trainer.rendezvous import free_tcp_address
     from sluice.weights import BroadcastWeightSync
 
     with (

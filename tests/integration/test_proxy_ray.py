@@ -40,7 +40,7 @@ def test_ray_replica_weights_and_removal(ray_cluster) -> None:
 def test_a_supervised_actor_gives_its_nodes_address_as_ray_knows_it(ray_cluster) -> None:
     """Rendezvous addresses (the trainer ranks') come from Ray's node list, not the hostname."""
     from sluice.runtime.ray_supervision import supervised
-    from sluice.trainer.data_parallel import free_tcp_address
+    from sluice.trainer.rendezvous import free_tcp_address
 
     class Worker:
         def node(self) -> str:

@@ -20,7 +20,7 @@ from sluice.api import Completion
 from sluice.engines.hf_inference import HFInferenceEngine
 from sluice.engines.hf_model import load_causal_lm
 from sluice.engines.hf_train import HFTrainEngine
-from sluice.trainer.data_parallel import free_tcp_address
+from sluice.trainer.rendezvous import free_tcp_address
 from sluice.weights import BroadcastWeightSync
 from tiny import save_tiny_task_model
 

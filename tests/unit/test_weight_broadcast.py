@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sluice.api.protocols import WeightSync
-from sluice.trainer.data_parallel import free_tcp_address
+from sluice.trainer.rendezvous import free_tcp_address
 from sluice.weights import WEIGHT_SYNCS, BroadcastWeightSync, WeightVersionError
 from sluice.weights.broadcast import EngineWorkersFeed, flatten, unflatten
 from sluice.weights.wire import bucket_layout, bucket_ranges

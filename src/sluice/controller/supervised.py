@@ -29,7 +29,8 @@ from sluice.telemetry import TrainProgress
 from sluice.telemetry.metrics import JsonlMetrics
 from sluice.telemetry.plot import METRICS_LOG, plot_run
 from sluice.telemetry.trackers import open_trackers
-from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
+from sluice.trainer.data_parallel import DataParallelGroup
+from sluice.trainer.rendezvous import free_tcp_address
 
 log = logging.getLogger(__name__)
 

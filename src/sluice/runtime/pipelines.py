@@ -238,7 +238,7 @@ def weight_syncs(
     from sluice.weights import BroadcastWeightSync, ObjectStoreWeightSync
 
     if fleet.weight_transfer == "broadcast":
-        from sluice.trainer.data_parallel import free_tcp_address
+        from sluice.trainer.rendezvous import free_tcp_address
 
         group = BroadcastWeightSync(
             address or free_tcp_address(),

@@ -120,19 +120,6 @@ def node_address(node_id: str, nodes: Sequence[Mapping[str, Any]]) -> str:
     raise RuntimeError(f"Ray node {node_id} is not among the cluster's live nodes")
 
 
-def free_address(host: str) -> str:
-    """A ``tcp://host:port`` on a port of this node free right now: what ``free_address_on``'s
-    pinned task runs. Ray imports a task's function by reference, so it lives in this module,
-    which imports no torch: ``trainer/data_parallel.py``'s ``free_tcp_address`` (the same bind)
-    would have the task's fresh worker import torch first (≈ 3 CPU-s, on the path of every
-    broadcast run's start, before its rollout and trainer actors are created)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
-
-
 def bundle_node(table: Mapping[str, Any], bundle: int) -> str:
     """The node id a placed group's bundle landed on (``ray.util.placement_group_table(pg)``)."""
     return str(table["bundles_to_node_id"][bundle])
@@ -189,10 +176,12 @@ class RayPlacement:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from sluice.trainer.rendezvous import free_tcp_address  # imports no torch: nor does the task's worker
+
         node = self.node_of(slot)
         host = node_address(node, ray.nodes())
         pinned = NodeAffinitySchedulingStrategy(node, soft=False)
-        task: Any = ray.remote(num_cpus=0)(free_address).options(scheduling_strategy=pinned)
+        task: Any = ray.remote(num_cpus=0)(free_tcp_address).options(scheduling_strategy=pinned)
         return str(ray.get(task.remote(host)))
 
     def close(self) -> None:

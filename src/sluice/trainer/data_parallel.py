@@ -12,7 +12,6 @@ trains which group (the pipeline balances groups by tokens), tensor or pipeline 
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -27,18 +26,6 @@ NOT_SUMMED = frozenset(
 """Step metrics every rank computes identically after the gradient sum (not added across ranks)."""
 PER_RANK = {"logprob_gap_mean": "mean", "logprob_gap_max": "max"}
 """Step metrics of each rank's own first micro-batch: averaged or maxed over the ranks."""
-
-
-LOOPBACK = "127.0.0.1"
-
-
-def free_tcp_address(host: str = LOOPBACK) -> str:
-    """A ``tcp://host:port`` rendezvous on a port of this node free right now. ``host``: the
-    address this node is reached at by the other ranks (on Ray, the node's IP as Ray knows it,
-    never a guess from the hostname); the loopback when they all run on this node."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
 class DataParallelGroup:

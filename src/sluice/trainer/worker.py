@@ -35,9 +35,10 @@ from sluice.queue.samples import group_rows, rows_to_samples, train_columns
 from sluice.queue.shards import balance_shards
 from sluice.telemetry.samples import SampleSummary, summarize_samples
 from sluice.telemetry.trace import SpanRecorder
-from sluice.trainer.data_parallel import DataParallelGroup, free_tcp_address
+from sluice.trainer.data_parallel import DataParallelGroup
 from sluice.trainer.losses.common import off_policy_metrics
 from sluice.trainer.ppo import VALUES_COLUMN
+from sluice.trainer.rendezvous import free_tcp_address
 from sluice.trainer.rl_step import RLStep
 from sluice.trainer.rng_state import capture_rng, restore_rng
 from sluice.trainer.sections import algorithm_of, critic_of, schedule_of, train_engine
