@@ -269,7 +269,9 @@ def test_prefills_count_one_forward_per_admission_whatever_the_prompt_lengths(mo
     reports it). The model runs exactly the forwards counted, and every request's tokens and
     log-probs equal its run alone."""
     forwards = []
-    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: forwards.append(1)
+    )  # one per forward
     try:
         together = HFInferenceEngine(model, max_batch=16)
         requests = [_req(f"a{i}", [1 + i, 2, 3, 4][: 1 + i % 4], seed=i, temperature=1.0) for i in range(8)]

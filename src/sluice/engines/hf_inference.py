@@ -41,6 +41,7 @@ from sluice.api.types import Completion, FinishReason, GenerationRequest
 from sluice.engines.arrival_hold import ArrivalHold
 from sluice.engines.hf_model import check_state_names, load_causal_lm, stage_weights
 from sluice.engines.kv_batch import Rows, Slab, prefill, prefill_plan
+from sluice.engines.lean_forward import causal_lm_logits
 from sluice.engines.sampling import sample_tokens, seed_key, uniforms
 from sluice.engines.session_cache import SessionCache, continue_prefill
 
@@ -311,16 +312,17 @@ class HFInferenceEngine:
         rows = self._rows
         if rows is None:
             return
-        out = self.model(
-            input_ids=rows.last.unsqueeze(1),
-            attention_mask=rows.open_column(),  # [rows, cols + 1]: the column `last` fills
-            position_ids=rows.pos.unsqueeze(1),
-            past_key_values=rows.cache,
-            use_cache=True,
+        logits = causal_lm_logits(
+            self.model,
+            rows.last.unsqueeze(1),
+            rows.open_column(),  # [rows, cols + 1]: the column `last` fills
+            rows.pos.unsqueeze(1),
+            rows.cache,
+            last_only=False,
         )
         rows.close_column()
         rows.pos += 1
-        done, stopped = self._advance(rows, out.logits[:, -1])
+        done, stopped = self._advance(rows, logits[:, -1])
         self._rows = self._retire(rows, done, stopped)
 
     def _advance(self, rows: Rows, logits: Tensor) -> tuple[Tensor, Tensor]:

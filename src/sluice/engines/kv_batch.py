@@ -31,6 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from sluice.api.types import SamplingParams
+from sluice.engines.lean_forward import causal_lm_logits
 from sluice.engines.response_tokens import buckets_of
 
 _ROOM = 32  # spare columns per (re)allocation of the slab
@@ -296,20 +297,13 @@ def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tup
         positions = (rows_mask.cumsum(1) - 1).clamp(min=0)  # [group, width]
         padded = bool((rows_mask == 0).any())
         cache = DynamicCache()
-        out = model(
-            input_ids=ids,
-            attention_mask=rows_mask if padded else None,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        last = causal_lm_logits(model, ids, rows_mask if padded else None, positions, cache, last_only=True)
         if padded:  # pad columns: masked from now on, and zero like the slab's unused columns
             keep = rows_mask.bool()[:, None, :, None]
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys.where(keep, 0.0), layer.values.where(keep, 0.0)
         caches.append(cache)
-        logits.append(out.logits[:, -1])
+        logits.append(last[:, -1])
         order.extend(group)
     cols = max(map(len, order))
     merged = caches[0]

@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from sluice.engines.kv_batch import Rows
+from sluice.engines.lean_forward import causal_lm_logits
 
 
 @dataclass(frozen=True)
@@ -149,12 +150,5 @@ def continue_prefill(
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # each row's last position + 1
     positions = (lengths.unsqueeze(1) - width + torch.arange(width, device=device)).clamp(min=0)
     mask = torch.cat([past_mask, new_mask], dim=1)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return cache, mask, out.logits[:, -1], sum(map(len, suffixes))
+    logits = causal_lm_logits(model, ids, mask, positions, cache, last_only=True)
+    return cache, mask, logits[:, -1], sum(map(len, suffixes))
