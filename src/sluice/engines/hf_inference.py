@@ -301,8 +301,9 @@ class HFInferenceEngine:
         hits = [(s, t) for s, t in zip(new, turns, strict=True) if t]
         fresh = [s for s, t in zip(new, turns, strict=True) if not t]
         prompts = [s.request.prompt_ids for s in fresh]
-        self._counts["prefills"] += len(prefill_plan(prompts)) + bool(hits)  # forwards
-        parts = [(fresh, prefill(self.model, prompts))] if fresh else []
+        plan = prefill_plan(prompts)
+        self._counts["prefills"] += len(plan) + bool(hits)  # forwards
+        parts = [(fresh, prefill(self.model, prompts, plan))] if fresh else []
         if hits:
             prompts = [s.request.prompt_ids for s, _ in hits]
             parts.append(([s for s, _ in hits], continue_prefill(self.model, [t for _, t in hits], prompts)))

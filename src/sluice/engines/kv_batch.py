@@ -278,9 +278,12 @@ def prefill_plan(sequences: Sequence[tuple[int, ...]]) -> list[list[tuple[int, .
     return [[distinct[i] for i in part] for part in buckets_of([len(s) for s in distinct], PREFILL_TOKENS)]
 
 
-def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tuple[DynamicCache, Tensor, Tensor, int]:
-    """Run each distinct sequence once, in the forwards of ``prefill_plan`` (shorter ones
-    left-padded, their pad columns masked, zeroed in the cache and given position 0).
+def prefill(
+    model: PreTrainedModel, sequences: Sequence[tuple[int, ...]], plan: list[list[tuple[int, ...]]] | None = None
+) -> tuple[DynamicCache, Tensor, Tensor, int]:
+    """Run each distinct sequence once, in the forwards of ``plan`` (``prefill_plan``'s, computed
+    here unless the caller has it; shorter ones left-padded, their pad columns masked, zeroed in
+    the cache and given position 0).
 
     Returns ``(cache, mask, logits, computed)``: a right-aligned cache with one row per input
     sequence (input order; keys / values [rows, kv_heads, cols, head_dim]), its mask [rows, cols],
@@ -290,7 +293,7 @@ def prefill(model: PreTrainedModel, sequences: Sequence[tuple[int, ...]]) -> tup
     caches: list[DynamicCache] = []
     logits: list[Tensor] = []
     order: list[tuple[int, ...]] = []
-    for group in prefill_plan(sequences):
+    for group in prefill_plan(sequences) if plan is None else plan:
         width = max(map(len, group))
         rows_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in group], device=device)
         ids = torch.tensor([[0] * (width - len(s)) + list(s) for s in group], dtype=torch.long, device=device)
