@@ -54,13 +54,29 @@ def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def files(temp_root: Path) -> set[Path]:
     """Every file under /dev/shm (where a folder update would go) and the temp folder, except
-    those named after a process outside this one's tree (``sluice-arena-<pid>-0`` of a test
-    running beside this one on a shared machine)."""
+    those of a process outside this one's tree: named after one (``sluice-arena-<pid>-0`` of a
+    test running beside this one on a shared machine), or a Python ``SharedMemory`` segment
+    (``psm_<hex>``, no pid in its name: vLLM creates them while an engine starts, one beside
+    this one too) that no process of this tree maps."""
     roots = [Path("/dev/shm"), Path(tempfile.gettempdir())]
     assert Path(tempfile.gettempdir()) == temp_root
     ours = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
     found = {p for root in roots if root.is_dir() for p in root.rglob("*") if p.is_file()}
-    return {p for p in found if not named_after_other(p, roots, ours)}
+    found = {p for p in found if not named_after_other(p, roots, ours)}
+    segments = {p for p in found if p.parent == Path("/dev/shm") and p.name.startswith("psm_")}
+    return found - segments | (segments & mapped_by(ours))
+
+
+def mapped_by(pids: set[int]) -> set[Path]:
+    """The /dev/shm files any of ``pids`` maps (a process gone meanwhile maps nothing)."""
+    mapped: set[Path] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        mapped |= {Path(m) for m in re.findall(r"(/dev/shm/\S+)", maps)}
+    return mapped
 
 
 def named_after_other(path: Path, roots: list[Path], ours: set[int]) -> bool:
