@@ -53,18 +53,33 @@ def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def files(temp_root: Path) -> set[Path]:
-    """Every file under /dev/shm (where a folder update would go) and the temp folder, except
-    those of a process outside this one's tree: named after one (``sluice-arena-<pid>-0`` of a
-    test running beside this one on a shared machine), or a Python ``SharedMemory`` segment
-    (``psm_<hex>``, no pid in its name: vLLM creates them while an engine starts, one beside
-    this one too) that no process of this tree maps."""
-    roots = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    """Every file under the temp folder and this process tree's under /dev/shm (where a folder
+    update would go; ``shm_files``)."""
     assert Path(tempfile.gettempdir()) == temp_root
-    ours = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
-    found = {p for root in roots if root.is_dir() for p in root.rglob("*") if p.is_file()}
-    found = {p for p in found if not named_after_other(p, roots, ours)}
-    segments = {p for p in found if p.parent == Path("/dev/shm") and p.name.startswith("psm_")}
+    ours = this_tree()
+    found = {p for p in temp_root.rglob("*") if p.is_file()}
+    return {p for p in found if not named_after_other(p, [temp_root], ours)} | shm_files()
+
+
+def shm_files() -> set[Path]:
+    """The files under /dev/shm but those of a process outside this one's tree: named after one
+    (``sluice-arena-<pid>-0`` of a test running beside this one on a shared machine), or a Python
+    ``SharedMemory`` segment (``psm_<hex>``, no pid in its name: vLLM makes them while an engine
+    starts, one beside this one too) that no process of this tree maps."""
+    root, ours = Path("/dev/shm"), this_tree()
+    found = {p for p in root.rglob("*") if p.is_file() and not named_after_other(p, [root], ours)}
+    segments = {p for p in found if p.parent == root and p.name.startswith("psm_")}
     return found - segments | (segments & mapped_by(ours))
+
+
+def this_tree() -> set[int]:
+    return {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def named_after_other(path: Path, roots: list[Path], ours: set[int]) -> bool:
+    top = next(path.relative_to(root).parts[0] for root in roots if path.is_relative_to(root))
+    pids = {int(n) for n in re.findall(r"-(\d+)(?=-|$)", top)}
+    return bool(pids) and not pids & ours
 
 
 def mapped_by(pids: set[int]) -> set[Path]:
@@ -77,12 +92,6 @@ def mapped_by(pids: set[int]) -> set[Path]:
             continue
         mapped |= {Path(m) for m in re.findall(r"(/dev/shm/\S+)", maps)}
     return mapped
-
-
-def named_after_other(path: Path, roots: list[Path], ours: set[int]) -> bool:
-    top = next(path.relative_to(root).parts[0] for root in roots if path.is_relative_to(root))
-    pids = {int(n) for n in re.findall(r"-(\d+)(?=-|$)", top)}
-    return bool(pids) and not pids & ours
 
 
 def ids(model_dir: Path, text: str) -> tuple[int, ...]:

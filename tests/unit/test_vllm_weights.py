@@ -21,6 +21,7 @@ from sluice.engines.vllm_engine import VLLMEngine, placement_args, reload_from_s
 from sluice.engines.weight_folder import EMBED, HEAD, weights_checksum
 from sluice.engines.weight_tensors import SharedWeights, WeightTensors
 from tiny import save_tiny_task_model
+from vllm_support import shm_files
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +40,9 @@ def _files(root: Path) -> set[Path]:
 
 def test_staged_tensors_are_snapshots_written_nowhere(model_dir: Path, weights, tmp_path: Path) -> None:
     stager = WeightTensors(model_dir, tmp_path)
-    before, shm = _files(tmp_path), _files(Path("/dev/shm"))
+    before, shm = _files(tmp_path), shm_files()
     items = dict(stager.write(weights, 1).items)
-    assert _files(tmp_path) == before and not _files(Path("/dev/shm")) - shm  # no file for an update
+    assert _files(tmp_path) == before and not shm_files() - shm  # no file for an update
     assert weights[EMBED].data_ptr() == weights[HEAD].data_ptr() and set(items) == set(weights) - {HEAD}
     expected = {name: w.clone() for name, w in items.items()}
     staged_sum = stager.checksum(weights)
