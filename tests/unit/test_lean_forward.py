@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from sluice.engines.lean_forward import causal_lm_logits, lean_supported
+from sluice.engines.lean_forward import _direct_layers, causal_lm_logits, lean_supported
 
 SIZES = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2}
@@ -31,7 +31,7 @@ def _library(model, ids, mask, positions, cache, last_only):
 @torch.no_grad()
 def test_prefill_and_decode_equal_the_librarys_forward_bit_for_bit(kind):
     model = _model(kind)
-    assert lean_supported(model)
+    assert lean_supported(model) and _direct_layers(model)  # each layer's arithmetic run directly
     lengths = [5, 9, 7]
     width = max(lengths)
     mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
@@ -64,3 +64,16 @@ def test_other_models_and_training_run_the_librarys_forward():
     assert lean_supported(model)
     wrapped = torch.nn.Sequential()  # any other class: its own forward
     assert not lean_supported(wrapped)
+
+
+def test_layers_with_hooks_or_another_attention_run_as_modules():
+    hooked = _model("llama")
+    seen: list[int] = []
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *_: seen.append(1))
+    assert lean_supported(hooked) and not _direct_layers(hooked)
+    eager = _model("llama")
+    eager.config._attn_implementation = "eager"
+    assert lean_supported(eager) and not _direct_layers(eager)
+    with torch.no_grad():
+        causal_lm_logits(hooked, torch.tensor([[1, 2, 3]]), None, torch.tensor([[0, 1, 2]]), DynamicCache(), True)
+    assert seen == [1]  # the hook ran: the layers were called as modules
