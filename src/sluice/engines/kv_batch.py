@@ -92,9 +92,10 @@ class Slab:
         cols, (cap_rows, cap_cols) = self.end - self.start, self.bufs[-1].shape
         grow = max(0, width - cols)
         if rows <= cap_rows and grow <= self.start and self.end + room <= cap_cols:
-            for buf in self.bufs:  # the slots' columns left of `start` hold stale data of rows gone
-                _cols(buf, self.start - grow, self.start)[: self.n].zero_()
-            self.start -= grow
+            if grow:  # the slots' columns left of `start` hold stale data of rows gone
+                for buf in self.bufs:
+                    _cols(buf, self.start - grow, self.start)[: self.n].zero_()
+                self.start -= grow
             return
         width = max(width, cols)
         lead, rows = width // 4, rows if rows <= cap_rows else max(rows, cap_rows + cap_rows // 2)
