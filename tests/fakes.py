@@ -236,6 +236,16 @@ def length_reward(response: str, **_: Any) -> float:
     return min(len(response) / 8.0, 1.0)
 
 
+def paced_length_reward(response: str, **kw: Any) -> float:
+    """``length_reward`` after a fixed 50 ms, as a remote scorer would: a step's 16 scores on two
+    reward workers take ≈ 0.4 s, so its groups reach the queue spread over that time and a
+    streaming trainer starts its first micro-batch well before the last group is stored, however
+    fast the engine and however loaded the machine (the golden test's η = 0 overlap check; the
+    scores, and so every number, are ``length_reward``'s)."""
+    time.sleep(0.05)
+    return length_reward(response, **kw)
+
+
 def matches_reward(response: str, answer: str = "", **_: Any) -> bool:
     """A reward as people write it: ``pred == gt``, a ``bool``."""
     return response == answer
